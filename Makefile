@@ -1,0 +1,36 @@
+# The README's two commands: `make serve` and `make test`. Both work from a fresh clone.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch; a GPU host sets TORCH_SPEC to a CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+PORT ?= 8000
+PYTEST_ARGS ?=
+
+.PHONY: install serve test lint format clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet '$(TORCH_SPEC)'
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+serve: install
+	$(VENV)/bin/pagedserve serve --port $(PORT)
+
+lint: install
+	$(VENV)/bin/ruff check engine server tests benchmarks
+	$(VENV)/bin/ruff format --check engine server tests benchmarks
+	$(VENV)/bin/mypy engine
+
+format: install
+	$(VENV)/bin/ruff check --fix engine server tests benchmarks
+	$(VENV)/bin/ruff format engine server tests benchmarks
+
+test: install lint
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
