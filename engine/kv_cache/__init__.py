@@ -1,0 +1,15 @@
+"""Paged KV cache bookkeeping with automatic prefix caching. Pure Python: no torch here."""
+
+from engine.kv_cache.block import BlockHash, FreeBlockQueue, KVCacheBlock
+from engine.kv_cache.block_pool import BlockPool
+from engine.kv_cache.manager import KVCacheManager, PrefixCacheCounters, cdiv
+
+__all__ = [
+    "BlockHash",
+    "BlockPool",
+    "FreeBlockQueue",
+    "KVCacheBlock",
+    "KVCacheManager",
+    "PrefixCacheCounters",
+    "cdiv",
+]

@@ -1,0 +1,93 @@
+"""KV cache blocks and the intrusive free list that orders their eviction (pure Python)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BlockHash:
+    """Identity of a full block: a chained digest plus the token ids it covers.
+
+    The digest is the dictionary key; the token ids are compared on a hit, so even a
+    digest collision can never serve the wrong KV.
+    """
+
+    digest: bytes
+    token_ids: tuple[int, ...]
+
+
+class KVCacheBlock:
+    """One page of KV cache. `prev_free`/`next_free` link it into the FreeBlockQueue."""
+
+    __slots__ = ("block_hash", "block_id", "next_free", "prev_free", "ref_cnt")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        cached = "cached" if self.block_hash is not None else "plain"
+        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, {cached})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks threaded through the blocks themselves.
+
+    The front is evicted first. `remove` is O(1), which is what lets a prefix-cache hit
+    take a block back out of the middle of the queue.
+
+        head <-> b3 <-> b7 <-> b1 <-> tail     (sentinels never leave the list)
+    """
+
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        self._head = KVCacheBlock(-1)
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVCacheBlock:
+        """Mutates: detaches and returns the front block."""
+        first = self._head.next_free
+        if first is None or first is self._tail:
+            raise ValueError("no free blocks left")
+        self.remove(first)
+        return first
+
+    def remove(self, block: KVCacheBlock) -> None:
+        """Mutates: detaches `block` from wherever it sits in the queue."""
+        prev, nxt = block.prev_free, block.next_free
+        if prev is None or nxt is None:
+            raise ValueError(f"{block} is not in the free queue")
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        """Mutates: puts `block` at the back, to be evicted last."""
+        if block.prev_free is not None or block.next_free is not None:
+            raise ValueError(f"{block} is already in the free queue")
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free_blocks += 1
+
+    def __iter__(self) -> Iterator[KVCacheBlock]:
+        block = self._head.next_free
+        while block is not None and block is not self._tail:
+            yield block
+            block = block.next_free
+
+    def contains(self, block: KVCacheBlock) -> bool:
+        return block.prev_free is not None

@@ -1,0 +1,120 @@
+"""BlockPool: owns every KV block, the free queue and the prefix-cache map (pure Python)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from engine.kv_cache.block import BlockHash, FreeBlockQueue, KVCacheBlock
+
+
+class BlockPool:
+    """Allocation, reference counting and lazy eviction of KV blocks.
+
+    A freed block that holds a cached full prefix keeps its hash, and so stays findable,
+    until it is popped from the free queue for reuse (lazy eviction).
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[bytes, KVCacheBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free_blocks
+
+    def usage(self) -> float:
+        """Share of blocks held by requests (ref_cnt > 0); cached-free blocks count as free."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def lookup(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        """The cached block with exactly this digest and these token ids, if any."""
+        block = self.cached.get(block_hash.digest)
+        if block is None or block.block_hash != block_hash:
+            return None
+        return block
+
+    def allocate(self, n: int) -> list[KVCacheBlock]:
+        """Mutates: pops `n` blocks from the front of the free queue, evicting their hashes."""
+        if n > self.num_free_blocks:
+            raise ValueError(f"cannot allocate {n} blocks, {self.num_free_blocks} free")
+        blocks = [self.free_queue.popleft() for _ in range(n)]
+        for block in blocks:
+            self._evict(block)
+            block.ref_cnt = 1
+        return blocks
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Mutates: takes a reference on each block, pulling free ones out of the queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Mutates: drops a reference on each block, in the order given.
+
+        Blocks whose count reaches zero join the back of the queue in that order, so the
+        caller passes a request's blocks tail-first to have its longest chains evicted first.
+        """
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise ValueError(f"double free of {block}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    def cache(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        """Mutates: registers a full block under its hash.
+
+        If an equal block is already registered (two requests computed the same prefix at
+        once), the first one stays the cache entry and this block stays private.
+        """
+        if block.block_hash is not None:
+            return
+        if block_hash.digest in self.cached:
+            return
+        block.block_hash = block_hash
+        self.cached[block_hash.digest] = block
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is None:
+            return
+        if self.cached.get(block.block_hash.digest) is block:
+            del self.cached[block.block_hash.digest]
+        block.block_hash = None
+
+    def check_invariants(self, held: Sequence[Sequence[KVCacheBlock]] | None = None) -> None:
+        """Raise AssertionError if the pool is inconsistent.
+
+        Checks: free + in-use == total; ref_cnt == 0 exactly for blocks in the free queue;
+        each queued block appears once; every cache entry points at a block with that hash;
+        and, given the block lists that requests hold, each block's ref_cnt equals the
+        number of holders.
+        """
+        queued = list(self.free_queue)
+        assert len(queued) == self.num_free_blocks, "free count disagrees with the queue"
+        assert len({b.block_id for b in queued}) == len(queued), "a block is queued twice"
+        in_use = [b for b in self.blocks if b.ref_cnt > 0]
+        assert len(queued) + len(in_use) == self.num_blocks, "free + in use != total"
+        for block in self.blocks:
+            assert block.ref_cnt >= 0, f"{block} has a negative ref_cnt"
+            assert (block.ref_cnt == 0) == self.free_queue.contains(block), (
+                f"{block}: ref_cnt == 0 must hold exactly when it is in the free queue"
+            )
+        for digest, block in self.cached.items():
+            assert block.block_hash is not None and block.block_hash.digest == digest, (
+                f"cache entry for {block} does not match its hash"
+            )
+        if held is not None:
+            holders = [0] * self.num_blocks
+            for blocks in held:
+                for block in blocks:
+                    holders[block.block_id] += 1
+            for block in self.blocks:
+                assert block.ref_cnt == holders[block.block_id], (
+                    f"{block} is held by {holders[block.block_id]} requests"
+                )

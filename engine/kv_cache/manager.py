@@ -1,0 +1,177 @@
+"""KVCacheManager: per-request block tables on top of the BlockPool (pure Python)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from engine.kv_cache.block import KVCacheBlock
+from engine.kv_cache.block_pool import BlockPool
+from engine.kv_cache.hashing import extend_block_hashes
+
+if TYPE_CHECKING:
+    from engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class PrefixCacheCounters:
+    """Running totals, in tokens, of prompt tokens looked up and found in the cache."""
+
+    queries: int = 0
+    hits: int = 0
+
+
+class PrefixCache(Protocol):
+    def find_hits(self, request: Request) -> list[KVCacheBlock]: ...
+
+    def register(
+        self, request: Request, blocks: Sequence[KVCacheBlock], start: int, num_tokens: int
+    ) -> int: ...
+
+
+class HashPrefixCache:
+    """Automatic prefix caching over chained block hashes."""
+
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+
+    def find_hits(self, request: Request) -> list[KVCacheBlock]:
+        """The cached blocks that form the longest prefix of the request. Pure lookup.
+
+        The hit stops one token short of the end: the last token is always recomputed,
+        because sampling needs its logits. A block-aligned full hit thus gives back its
+        last block.
+        """
+        self._hash(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def register(
+        self, request: Request, blocks: Sequence[KVCacheBlock], start: int, num_tokens: int
+    ) -> int:
+        """Mutates the pool: caches the request's full blocks from index `start` on.
+
+        `num_tokens` counts the tokens whose KV will be in the cache once the scheduled
+        step runs. Returns how many of the request's blocks are now registered.
+        """
+        self._hash(request)
+        num_full = min(num_tokens // self.block_size, len(request.block_hashes), len(blocks))
+        for i in range(start, num_full):
+            self.pool.cache(blocks[i], request.block_hashes[i])
+        return max(start, num_full)
+
+    def _hash(self, request: Request) -> None:
+        extend_block_hashes(
+            request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt
+        )
+
+
+class NoPrefixCache:
+    """The null object used when prefix caching is off: never hits, never registers."""
+
+    def find_hits(self, request: Request) -> list[KVCacheBlock]:
+        return []
+
+    def register(
+        self, request: Request, blocks: Sequence[KVCacheBlock], start: int, num_tokens: int
+    ) -> int:
+        return start
+
+
+class KVCacheManager:
+    """Maps requests to their blocks and decides whether new tokens fit.
+
+    The scheduler calls `get_computed_blocks` (lookup, no mutation) for a waiting request,
+    then `allocate_slots` (mutation) for every request it schedules, and `free` when a
+    request finishes or is preempted.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self.prefix_cache: PrefixCache = (
+            HashPrefixCache(self.pool, block_size) if enable_caching else NoPrefixCache()
+        )
+        self.counters = PrefixCacheCounters()
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self._num_registered: dict[str, int] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Prefix-cache hit for a waiting request: (blocks, number of tokens they cover)."""
+        hits = self.prefix_cache.find_hits(request)
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] | None = None,
+    ) -> list[KVCacheBlock] | None:
+        """Mutates: makes room for `num_new_tokens` more tokens of `request`.
+
+        `new_computed_blocks` is the prefix-cache hit of a request being admitted (None for
+        a request that is already running). Returns the newly allocated blocks, or None,
+        changing nothing, when they do not fit. Cache hits sitting in the free queue do not
+        count as free space: taking them removes them from the queue.
+        """
+        hits = list(new_computed_blocks or ())
+        held = self.req_to_blocks.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(hits) * self.block_size
+        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_new = max(0, num_required - len(held) - len(hits))
+        num_hits_free = sum(1 for b in hits if b.ref_cnt == 0)
+        if num_new > self.pool.num_free_blocks - num_hits_free:
+            return None
+
+        self.pool.touch(hits)
+        new_blocks = self.pool.allocate(num_new)
+        blocks = self.req_to_blocks.setdefault(request.request_id, held)
+        blocks.extend(hits)
+        blocks.extend(new_blocks)
+        if new_computed_blocks is not None:
+            self.counters.queries += request.num_tokens
+            self.counters.hits += len(hits) * self.block_size
+            self._num_registered[request.request_id] = len(hits)
+
+        # Cache full blocks as soon as they are scheduled, so a request later in the same
+        # batch can reuse them: each layer writes K/V before it attends.
+        num_tokens = min(num_computed + num_new_tokens, request.num_tokens)
+        start = self._num_registered.get(request.request_id, 0)
+        self._num_registered[request.request_id] = self.prefix_cache.register(
+            request, blocks, start, num_tokens
+        )
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Mutates: releases the request's blocks, tail first, so long chains go first."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self._num_registered.pop(request.request_id, None)
+        self.pool.free(reversed(blocks))
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if block accounting is inconsistent (tests call this)."""
+        self.pool.check_invariants(held=list(self.req_to_blocks.values()))
