@@ -1,0 +1,117 @@
+"""Typed messages between the scheduler, the model runner and the engine (pure Python)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """Everything the runner needs to (re)build a request's state.
+
+    Sent when a request is first scheduled and when it resumes after preemption; in the
+    latter case `output_token_ids` is non-empty and `block_ids` replaces the old table.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step."""
+
+    request_id: str
+    num_new_tokens: int
+    # Tokens whose KV is already in the cache before this step.
+    num_computed_tokens: int
+    # Blocks appended to the request's table this step (empty for `new` requests, whose
+    # whole table is in `new.block_ids`).
+    new_block_ids: list[int]
+    # Set for new and resumed requests.
+    new: NewRequestData | None = None
+
+    @property
+    def resumed(self) -> bool:
+        return self.new is not None and bool(self.new.output_token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """What to run in one step. `scheduled` is in batch order: running first, then admitted."""
+
+    scheduled: list[ScheduledRequest]
+    # Requests finished, aborted or preempted since the last step: the runner drops them.
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True)
+class Logprobs:
+    """Logprob of the chosen token, its rank, and the top alternatives (token, logprob)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    """Sampled tokens of the requests that reached the end of their known tokens."""
+
+    sampled_token_ids: dict[str, int]
+    logprobs: dict[str, Logprobs] = field(default_factory=dict)
+    # Per request, for the prompt positions computed this step (position 0 has none).
+    prompt_logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineCoreOutput:
+    """New tokens for one request from one step, plus its finish reason once it ends."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    new_logprobs: list[Logprobs] = field(default_factory=list)
+    prompt_logprobs: list[Logprobs] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    # Seconds between arrival and first scheduling; set on the request's first output.
+    queue_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """Gauges after a step and counters for the step itself."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_scheduled_tokens: int = 0
+    # Deltas over this step.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+
+
+@dataclass(frozen=True)
+class StepResult:
+    outputs: list[EngineCoreOutput]
+    stats: SchedulerStats

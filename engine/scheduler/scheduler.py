@@ -1,0 +1,247 @@
+"""The V1 scheduler: one token-budget loop per step, no prefill/decode phases (pure Python)."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+
+from engine.config import SchedulerConfig
+from engine.kv_cache import KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.scheduler.output import (
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    ScheduledRequest,
+    SchedulerOutput,
+    SchedulerStats,
+    StepResult,
+)
+
+
+class Scheduler:
+    """Decides which requests run in each step and how many tokens each gets.
+
+    `schedule()` and `update_from_output()` alternate; `add_request()` and
+    `finish_requests()` are called between steps. Nothing here touches tensors.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        if kv_cache.num_blocks * kv_cache.block_size < config.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {kv_cache.num_blocks * kv_cache.block_size} tokens, "
+                f"fewer than max_model_len={config.max_model_len}: one request could never fit"
+            )
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: set[str] = set()
+        self._num_preemptions = 0
+        self._last_queries = 0
+        self._last_hits = 0
+
+    # ---- between steps -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Mutates: queues a new request (FCFS)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if request.num_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"the prompt has {request.num_tokens} tokens; max_model_len is "
+                f"{self.config.max_model_len}, which leaves no room to generate"
+            )
+        self.waiting.append(request)
+        self.requests[request.request_id] = request
+
+    def finish_requests(
+        self, request_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> list[Request]:
+        """Mutates: ends the given requests (unknown ids are ignored) and frees their blocks."""
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+            finished.append(request)
+        return finished
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step ------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Mutates: picks this step's requests, allocating blocks and preempting if needed."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            new_blocks = self.kv_cache.allocate_slots(request, num_new)
+            while new_blocks is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+                new_blocks = self.kv_cache.allocate_slots(request, num_new)
+            if new_blocks is None:
+                break
+            scheduled.append(
+                ScheduledRequest(
+                    request.request_id,
+                    num_new,
+                    request.num_computed_tokens,
+                    [b.block_id for b in new_blocks],
+                )
+            )
+            budget -= num_new
+            i += 1
+
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            entry = self._admit(self.waiting[0], budget)
+            if entry is None:
+                break
+            scheduled.append(entry)
+            budget -= entry.num_new_tokens
+
+        finished, self._finished_ids = self._finished_ids, set()
+        return SchedulerOutput(scheduled, finished)
+
+    def _admit(self, request: Request, budget: int) -> ScheduledRequest | None:
+        """Mutates: moves the head of `waiting` to `running` if its tokens fit."""
+        hits, num_hit = self.kv_cache.get_computed_blocks(request)
+        # Capping at the budget is chunked prefill.
+        num_new = min(request.num_tokens - num_hit, budget)
+        if self.kv_cache.allocate_slots(request, num_new, hits) is None:
+            return None
+        self.waiting.popleft()
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_hit
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        self.running.append(request)
+        new = NewRequestData(
+            request.request_id,
+            list(request.prompt_token_ids),
+            list(request.output_token_ids),
+            request.sampling_params,
+            self.kv_cache.block_ids(request.request_id),
+        )
+        return ScheduledRequest(request.request_id, num_new, num_hit, [], new)
+
+    def _preempt(self, request: Request) -> None:
+        """Mutates: recompute-style preemption. The victim resumes first."""
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self._num_preemptions += 1
+        self.waiting.appendleft(request)
+        self._finished_ids.add(request.request_id)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> StepResult:
+        """Mutates: advances each scheduled request and applies the stop conditions."""
+        outputs: list[EngineCoreOutput] = []
+        for entry in scheduler_output.scheduled:
+            request = self.requests.get(entry.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += entry.num_new_tokens
+            output = self._apply_output(request, runner_output)
+            if output is not None:
+                outputs.append(output)
+        if any(r.is_finished for r in self.running):
+            self.running = [r for r in self.running if not r.is_finished]
+        return StepResult(outputs, self._stats(scheduler_output))
+
+    def _apply_output(
+        self, request: Request, runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutput | None:
+        request_id = request.request_id
+        prompt_logprobs = runner_output.prompt_logprobs.get(request_id, [])
+        token = runner_output.sampled_token_ids.get(request_id)
+        if token is None:
+            if not prompt_logprobs:
+                return None
+            return EngineCoreOutput(request_id, [], prompt_logprobs=prompt_logprobs)
+        request.append_output_token(token)
+        status = self._stop_status(request, token)
+        if status is not None:
+            self._finish(request, status)
+        logprobs = runner_output.logprobs.get(request_id)
+        first = request.num_output_tokens == 1
+        queue_time = None
+        if first and request.first_scheduled_time is not None:
+            queue_time = request.first_scheduled_time - request.arrival_time
+        return EngineCoreOutput(
+            request_id,
+            [token],
+            finish_reason=status.finish_reason if status else None,
+            stop_reason=request.stop_reason,
+            new_logprobs=[logprobs] if logprobs is not None else [],
+            prompt_logprobs=prompt_logprobs,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            queue_time=queue_time,
+        )
+
+    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        # The sampler masks stop tokens below min_tokens; this keeps the rule without it.
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv_cache.free(request)
+        del self.requests[request.request_id]
+        self._finished_ids.add(request.request_id)
+
+    def _stats(self, scheduler_output: SchedulerOutput) -> SchedulerStats:
+        counters = self.kv_cache.counters
+        stats = SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv_cache.usage(),
+            num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
+            prefix_cache_queries=counters.queries - self._last_queries,
+            prefix_cache_hits=counters.hits - self._last_hits,
+            num_preemptions=self._num_preemptions,
+        )
+        self._last_queries, self._last_hits = counters.queries, counters.hits
+        self._num_preemptions = 0
+        return stats
