@@ -1,0 +1,42 @@
+"""The bundled default model: the CLI converts it once, and transformers can run it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def run_prepare() -> list[str]:
+    cmd = [sys.executable, "-m", "server.cli", "prepare-default-model"]
+    result = subprocess.run(cmd, check=True, capture_output=True, text=True, env=os.environ)
+    return result.stdout.strip().splitlines()
+
+
+@pytest.mark.slow
+def test_cli_prints_directory_and_is_idempotent(default_model_dir: Path) -> None:
+    first = run_prepare()
+    mtime = (default_model_dir / "model.safetensors").stat().st_mtime
+    second = run_prepare()
+    assert first[-1] == second[-1] == str(default_model_dir)
+    assert (default_model_dir / "model.safetensors").stat().st_mtime == mtime
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (default_model_dir / name).exists(), name
+
+
+@pytest.mark.slow
+def test_transformers_loads_and_greedy_decodes_sensibly(default_model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+    input_ids = ids["input_ids"]
+    out = model.generate(input_ids, max_new_tokens=12, do_sample=False)
+    text = tokenizer.decode(out[0, input_ids.shape[1] :], skip_special_tokens=True)
+    assert "Paris" in text, text
