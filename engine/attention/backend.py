@@ -1,0 +1,54 @@
+"""The interface every attention backend implements, and the KV cache it works on."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    """`plan` once per step, then `forward` once per layer.
+
+    `forward` writes the step's K/V into the paged cache through `slot_mapping` first and
+    then attends over each request's whole paged history, so requests in the same batch
+    can share blocks that are being filled in this very step.
+    """
+
+    name: str
+
+    def plan(self, metadata: AttentionMetadata) -> None:
+        """Mutates the backend: prepares per-step state. Called once per step."""
+        ...
+
+    def forward(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """q: (T, heads, head_dim); k, v: (T, kv_heads, head_dim) -> (T, heads, head_dim)."""
+        ...
+
+
+def allocate_kv_cache(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> torch.Tensor:
+    """(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), allocated once.
+
+    kv_cache[layer, 0] and kv_cache[layer, 1] are that layer's contiguous K and V (NHD).
+    """
+    shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def kv_cache_bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * element_size

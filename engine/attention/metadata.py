@@ -1,0 +1,108 @@
+"""Per-step attention metadata shared by every backend, built with vectorised numpy ops.
+
+For a step with two requests, block_size B = 4:
+
+    request  computed  new   block table      tokens this step (flat batch)
+    r0       5         3     [7, 2]           t0 t1 t2      positions 5 6 7
+    r1       0         2     [4]              t3 t4         positions 0 1
+
+    qo_indptr        = [0, 3, 5]       query tokens of request r: qo_indptr[r]..qo_indptr[r+1]
+    kv_indptr        = [0, 2, 3]       pages of request r in kv_indices
+    kv_indices       = [7, 2, 4]
+    kv_last_page_len = [4, 2]          r0 holds 8 tokens: the last page is full
+    slot_mapping[t]  = block_table[r][p // B] * B + p % B
+                     = [2*4+1, 2*4+2, 2*4+3, 4*4+0, 4*4+1] = [9, 10, 11, 16, 17]
+
+These are exactly the arrays FlashInfer's paged wrappers plan with (NHD layout).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    block_size: int
+    positions: torch.Tensor  # (num_tokens,) int64
+    slot_mapping: torch.Tensor  # (num_tokens,) int64
+    qo_indptr: torch.Tensor  # (num_reqs + 1,) int32
+    kv_indptr: torch.Tensor  # (num_reqs + 1,) int32
+    kv_indices: torch.Tensor  # (kv_indptr[-1],) int32
+    kv_last_page_len: torch.Tensor  # (num_reqs,) int32
+    # Host copies for backends that plan on the CPU.
+    query_lens: np.ndarray  # (num_reqs,) int64
+    seq_lens: np.ndarray  # (num_reqs,) int64: KV length after this step
+    block_table: np.ndarray  # (num_reqs, max_pages) int64, zero padded
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    @property
+    def num_computed(self) -> np.ndarray:
+        return self.seq_lens - self.query_lens
+
+    @property
+    def is_decode_only(self) -> bool:
+        return bool((self.query_lens == 1).all())
+
+
+def pad_block_table(block_ids: Sequence[Sequence[int]], num_pages: np.ndarray) -> np.ndarray:
+    """(num_reqs, max_pages) array holding the first num_pages[r] block ids of each request."""
+    table = np.zeros((len(block_ids), max(int(num_pages.max(initial=0)), 1)), dtype=np.int64)
+    for row, (ids, n) in enumerate(zip(block_ids, num_pages, strict=True)):
+        table[row, :n] = ids[:n]
+    return table
+
+
+def build_attention_metadata(
+    num_computed: Sequence[int],
+    num_new: Sequence[int],
+    block_ids: Sequence[Sequence[int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
+    """Flat-batch metadata for requests in batch order. No loop over tokens."""
+    computed = np.asarray(num_computed, dtype=np.int64)
+    query_lens = np.asarray(num_new, dtype=np.int64)
+    seq_lens = computed + query_lens
+    num_pages = -(-seq_lens // block_size)
+    table = pad_block_table(block_ids, num_pages)
+
+    qo_indptr = np.zeros(len(query_lens) + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=qo_indptr[1:])
+    num_tokens = int(qo_indptr[-1])
+    req_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
+    # Position of token t of request r: computed[r] + (t - qo_indptr[r]).
+    positions = np.arange(num_tokens) + np.repeat(computed - qo_indptr[:-1], query_lens)
+    slots = table[req_of_token, positions // block_size] * block_size + positions % block_size
+
+    kv_indptr = np.zeros(len(query_lens) + 1, dtype=np.int64)
+    np.cumsum(num_pages, out=kv_indptr[1:])
+    kv_indices = table[np.arange(table.shape[1])[None, :] < num_pages[:, None]]
+    last_page_len = seq_lens - (num_pages - 1) * block_size
+
+    def int32(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a.astype(np.int32)).to(device)
+
+    return AttentionMetadata(
+        block_size=block_size,
+        positions=torch.from_numpy(positions).to(device),
+        slot_mapping=torch.from_numpy(slots).to(device),
+        qo_indptr=int32(qo_indptr),
+        kv_indptr=int32(kv_indptr),
+        kv_indices=int32(kv_indices),
+        kv_last_page_len=int32(last_page_len),
+        query_lens=query_lens,
+        seq_lens=seq_lens,
+        block_table=table,
+    )

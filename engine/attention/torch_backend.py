@@ -1,0 +1,173 @@
+"""The reference paged-attention backend, and the CPU path: block gathers plus batched matmuls.
+
+Keys and values are gathered a whole block at a time (block_size * kv_heads * head_dim
+contiguous elements per copy), never token by token.
+
+Decodes (one query token) run as one padded batch. GQA never repeats K/V heads: each
+request's queries form a block-diagonal matrix (num_heads, kv_heads * head_dim), so one
+bmm against the gathered (kv_len, kv_heads * head_dim) keys scores every head at once,
+and the diagonal blocks of the second bmm are the outputs:
+
+    q_bd[h*G+g, h'*D:(h'+1)*D] = q[h*G+g] if h' == h else 0
+    scores = q_bd @ K^T          (H, kv_len)        off-diagonal zeros add nothing
+    out    = diag_h(P @ V)       (H, D)
+
+Prefill chunks run one request at a time, with the `group` query heads of each KV head
+folded into the query axis and a causal mask offset by the tokens already cached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from engine.attention.metadata import AttentionMetadata
+
+# Above this many score elements per request, use the memory-efficient SDPA kernel.
+_MAX_MATERIALISED_SCORES = 1 << 24
+
+
+@dataclass(frozen=True)
+class _DecodePlan:
+    rows: torch.Tensor | None  # (n,) flat-batch rows; None when they are 0..n-1
+    blocks: torch.Tensor  # (n * max_pages,) block ids, padded with block 0
+    mask: torch.Tensor  # (n, 1, max_pages * block_size) float32: 0 visible, -inf not
+
+
+@dataclass(frozen=True)
+class _ExtendPlan:
+    start: int
+    end: int
+    blocks: torch.Tensor | None  # (pages,); None when every key is in this step's K/V
+    mask: torch.Tensor  # (q_len, kv_len) float32, causal with offset
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def __init__(self, kv_cache: torch.Tensor, num_heads: int, scale: float) -> None:
+        self.kv_cache = kv_cache  # (layers, 2, blocks, block_size, kv_heads, head_dim)
+        _, _, num_blocks, self.block_size, self.num_kv_heads, self.head_dim = kv_cache.shape
+        self.num_heads = num_heads
+        self.group = num_heads // self.num_kv_heads
+        self.scale = scale
+        self.num_slots = num_blocks * self.block_size
+        self._slot_mapping = torch.empty(0, dtype=torch.long)
+        self._decode: _DecodePlan | None = None
+        self._extends: list[_ExtendPlan] = []
+        # (kv_heads, 1, kv_heads, 1): selects the diagonal blocks of the query matrix.
+        eye = torch.eye(self.num_kv_heads, dtype=kv_cache.dtype, device=kv_cache.device)
+        self._eye = eye[:, None, :, None]
+
+    def plan(self, metadata: AttentionMetadata) -> None:
+        device = self.kv_cache.device
+        self._slot_mapping = metadata.slot_mapping.to(device=device, dtype=torch.long)
+        starts = np.concatenate(([0], np.cumsum(metadata.query_lens)[:-1]))
+        is_decode = metadata.query_lens == 1
+        self._decode = self._plan_decode(metadata, starts, is_decode) if is_decode.any() else None
+        self._extends = [
+            self._plan_extend(metadata, int(r), int(starts[r])) for r in np.flatnonzero(~is_decode)
+        ]
+
+    def _plan_decode(
+        self, md: AttentionMetadata, starts: np.ndarray, is_decode: np.ndarray
+    ) -> _DecodePlan:
+        rows = np.flatnonzero(is_decode)
+        seq_lens = md.seq_lens[rows]
+        max_pages = int(-(-seq_lens.max() // self.block_size))
+        blocks = md.block_table[rows, :max_pages]
+        visible = np.arange(max_pages * self.block_size)[None, :] < seq_lens[:, None]
+        mask = np.where(visible, 0.0, -np.inf).astype(np.float32)[:, None, :]
+        token_rows = starts[rows]
+        contiguous = bool((token_rows == np.arange(len(rows))).all())
+        device = self.kv_cache.device
+        return _DecodePlan(
+            rows=None if contiguous else torch.from_numpy(token_rows).to(device),
+            blocks=torch.from_numpy(np.ascontiguousarray(blocks).reshape(-1)).to(device),
+            mask=torch.from_numpy(mask).to(device),
+        )
+
+    def _plan_extend(self, md: AttentionMetadata, r: int, start: int) -> _ExtendPlan:
+        q_len, kv_len = int(md.query_lens[r]), int(md.seq_lens[r])
+        computed = kv_len - q_len
+        # Query i sits at position computed + i and sees keys 0..computed + i.
+        visible = np.arange(kv_len)[None, :] <= computed + np.arange(q_len)[:, None]
+        mask = torch.from_numpy(np.where(visible, 0.0, -np.inf).astype(np.float32))
+        blocks = None
+        if computed > 0:
+            pages = -(-kv_len // self.block_size)
+            blocks = torch.from_numpy(md.block_table[r, :pages].copy()).to(self.kv_cache.device)
+        return _ExtendPlan(start, start + q_len, blocks, mask.to(self.kv_cache.device))
+
+    def forward(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        k_cache, v_cache = self.kv_cache[layer_idx]  # (blocks, block_size, kv_heads, head_dim)
+        k_cache.view(self.num_slots, self.num_kv_heads, self.head_dim).index_copy_(
+            0, self._slot_mapping, k
+        )
+        v_cache.view(self.num_slots, self.num_kv_heads, self.head_dim).index_copy_(
+            0, self._slot_mapping, v
+        )
+        out = torch.empty_like(q)  # (T, num_heads, head_dim)
+        if self._decode is not None:
+            self._forward_decode(self._decode, q, k_cache, v_cache, out)
+        for plan in self._extends:
+            self._forward_extend(plan, q, k, v, k_cache, v_cache, out)
+        return out
+
+    def _forward_decode(
+        self,
+        plan: _DecodePlan,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        n, kv_len = plan.mask.shape[0], plan.mask.shape[-1]
+        hkv, g, d = self.num_kv_heads, self.group, self.head_dim
+        keys = k_cache.index_select(0, plan.blocks).view(n, kv_len, hkv * d)
+        values = v_cache.index_select(0, plan.blocks).view(n, kv_len, hkv * d)
+        q_dec = q[:n] if plan.rows is None else q[plan.rows]
+        q_bd = (q_dec.view(n, hkv, g, 1, d) * self._eye).view(n, hkv * g, hkv * d)
+        scores = torch.bmm(q_bd, keys.transpose(1, 2)).float()  # (n, heads, kv_len)
+        probs = torch.softmax(scores * self.scale + plan.mask, dim=-1).to(q.dtype)
+        o = torch.bmm(probs, values).view(n, hkv, g, hkv, d)  # (n, heads, kv_heads * d)
+        o = torch.diagonal(o, dim1=1, dim2=3).permute(0, 3, 1, 2)  # (n, kv_heads, g, d)
+        if plan.rows is None:
+            out[:n] = o.reshape(n, self.num_heads, d)
+        else:
+            out[plan.rows] = o.reshape(n, self.num_heads, d)
+
+    def _forward_extend(
+        self,
+        plan: _ExtendPlan,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        q_len, kv_len = plan.mask.shape
+        hkv, g, d = self.num_kv_heads, self.group, self.head_dim
+        if plan.blocks is None:
+            keys, values = k[plan.start : plan.end], v[plan.start : plan.end]
+        else:
+            keys = k_cache.index_select(0, plan.blocks).view(-1, hkv, d)[:kv_len]
+            values = v_cache.index_select(0, plan.blocks).view(-1, hkv, d)[:kv_len]
+        keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # (kv_heads, kv_len, d)
+        # Rows of each KV head's query matrix are (g, i): group-major, then position.
+        q_f = q[plan.start : plan.end].transpose(0, 1).reshape(hkv, g * q_len, d)
+        if self.num_heads * q_len * kv_len <= _MAX_MATERIALISED_SCORES:
+            scores = torch.matmul(q_f, keys.transpose(1, 2)).float().view(hkv, g, q_len, kv_len)
+            probs = torch.softmax(scores * self.scale + plan.mask, dim=-1).to(q.dtype)
+            o = torch.matmul(probs.view(hkv, g * q_len, kv_len), values)
+        else:
+            mask = plan.mask.to(q.dtype).repeat(g, 1)
+            o = F.scaled_dot_product_attention(q_f, keys, values, attn_mask=mask, scale=self.scale)
+        # (kv_heads, g * q_len, d) -> (q_len, heads, d)
+        out[plan.start : plan.end] = o.view(self.num_heads, q_len, d).transpose(0, 1)
