@@ -59,6 +59,8 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     stop_reason: int | None = None
+    # Highest prompt index whose logprob has been sent (survives preemption).
+    num_prompt_logprobs_sent: int = 0
     block_hashes: list[BlockHash] = field(default_factory=list)
 
     def __post_init__(self) -> None:

@@ -48,6 +48,8 @@ class HashPrefixCache:
         because sampling needs its logits. A block-aligned full hit thus gives back its
         last block.
         """
+        if request.sampling_params.prompt_logprobs is not None:
+            return []  # prompt logprobs need the logits of every prompt position
         self._hash(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []

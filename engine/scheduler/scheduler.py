@@ -11,6 +11,7 @@ from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.scheduler.output import (
     EngineCoreOutput,
+    Logprobs,
     ModelRunnerOutput,
     NewRequestData,
     ScheduledRequest,
@@ -40,6 +41,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: set[str] = set()
         self._num_preemptions = 0
+        self.total_preemptions = 0
         self._last_queries = 0
         self._last_hits = 0
 
@@ -160,6 +162,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self._num_preemptions += 1
+        self.total_preemptions += 1
         self.waiting.appendleft(request)
         self._finished_ids.add(request.request_id)
 
@@ -172,8 +175,9 @@ class Scheduler:
             request = self.requests.get(entry.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
+            start = request.num_computed_tokens
             request.num_computed_tokens += entry.num_new_tokens
-            output = self._apply_output(request, runner_output)
+            output = self._apply_output(request, start, runner_output)
             if output is not None:
                 outputs.append(output)
         if any(r.is_finished for r in self.running):
@@ -181,10 +185,10 @@ class Scheduler:
         return StepResult(outputs, self._stats(scheduler_output))
 
     def _apply_output(
-        self, request: Request, runner_output: ModelRunnerOutput
+        self, request: Request, start: int, runner_output: ModelRunnerOutput
     ) -> EngineCoreOutput | None:
         request_id = request.request_id
-        prompt_logprobs = runner_output.prompt_logprobs.get(request_id, [])
+        prompt_logprobs = self._new_prompt_logprobs(request, start, runner_output)
         token = runner_output.sampled_token_ids.get(request_id)
         if token is None:
             if not prompt_logprobs:
@@ -209,6 +213,23 @@ class Scheduler:
             num_cached_tokens=max(request.num_cached_tokens, 0),
             queue_time=queue_time,
         )
+
+    @staticmethod
+    def _new_prompt_logprobs(
+        request: Request, start: int, runner_output: ModelRunnerOutput
+    ) -> list[Logprobs]:
+        """Prompt logprobs computed from position `start`, minus any sent before a preemption.
+
+        Entry i is the logprob of prompt token start + 1 + i.
+        """
+        entries = runner_output.prompt_logprobs.get(request.request_id, [])
+        if not entries:
+            return []
+        fresh = entries[max(0, request.num_prompt_logprobs_sent - start) :]
+        request.num_prompt_logprobs_sent = max(
+            request.num_prompt_logprobs_sent, start + len(entries)
+        )
+        return fresh
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -1,0 +1,103 @@
+"""ModelRunner: turns a SchedulerOutput into sampled tokens.
+
+One flat batch per step with no per-request padding; logits only at the rows that
+sample (and at prompt rows whose logprobs were asked for).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.attention import create_backend
+from engine.attention.backend import allocate_kv_cache
+from engine.attention.metadata import build_attention_metadata
+from engine.config import CacheConfig
+from engine.models.arch import ModelArch
+from engine.models.llama import DecoderModel
+from engine.profiling import StepProfiler
+from engine.runner_state import RunnerStates, StepBatch
+from engine.sampler import Sampler, collect_logprobs
+from engine.scheduler.output import Logprobs, ModelRunnerOutput, SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: DecoderModel,
+        arch: ModelArch,
+        cache_config: CacheConfig,
+        attention_backend: str,
+        profiler: StepProfiler | None = None,
+    ) -> None:
+        self.model = model
+        self.arch = arch
+        self.block_size = cache_config.block_size
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.kv_cache = allocate_kv_cache(
+            arch.num_layers,
+            cache_config.num_blocks,
+            cache_config.block_size,
+            arch.num_kv_heads,
+            arch.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self.profiler = profiler or StepProfiler(enabled=False)
+        self.backend = self.profiler.wrap_backend(
+            create_backend(attention_backend, self.kv_cache, arch.num_heads, arch.head_dim**-0.5)
+        )
+        self.states = RunnerStates(arch.eos_token_ids)
+        self.sampler = Sampler(arch.vocab_size)
+
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Mutates the KV cache and the runner's request states."""
+        with self.profiler.section("metadata"):
+            batch = self.states.update(so)
+            if not batch.request_ids:
+                return ModelRunnerOutput({})
+            md = build_attention_metadata(
+                batch.num_computed, batch.num_new, batch.block_ids, self.block_size, self.device
+            )
+            self.backend.plan(md)
+            input_ids = torch.from_numpy(batch.input_ids).to(self.device)
+        with self.profiler.section("forward"):
+            hidden = self.model(input_ids, md.positions, self.backend)  # (T, hidden)
+        qo_indptr = np.concatenate(([0], np.cumsum(batch.num_new)))
+        with self.profiler.section("sampling"):
+            rows = batch.sample_rows
+            logits = self.model.compute_logits(hidden[qo_indptr[1:][rows] - 1])
+            states = [self.states.requests[batch.request_ids[r]] for r in rows]
+            sampled = self.sampler(logits, [s.sampling_row() for s in states])
+            request_ids = [batch.request_ids[r] for r in rows]
+            self.states.append_sampled(request_ids, sampled.token_ids)
+            prompt_logprobs = self._prompt_logprobs(hidden, batch, qo_indptr)
+        logprobs = {
+            rid: lp for rid, lp in zip(request_ids, sampled.logprobs, strict=True) if lp is not None
+        }
+        return ModelRunnerOutput(
+            dict(zip(request_ids, sampled.token_ids, strict=True)), logprobs, prompt_logprobs
+        )
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, batch: StepBatch, qo_indptr: np.ndarray
+    ) -> dict[str, list[Logprobs]]:
+        """Logprobs of the prompt tokens whose predecessors were computed this step.
+
+        The hidden state at position j predicts token j + 1, so a chunk covering positions
+        start..end-1 yields the logprobs of prompt tokens start+1..min(end, P-1).
+        """
+        result = {}
+        for row in batch.prompt_logprob_rows:
+            state = self.states.requests[batch.request_ids[row]]
+            start = batch.num_computed[row]
+            stop = min(start + batch.num_new[row], state.num_prompt_tokens - 1)
+            hidden_rows = hidden[qo_indptr[row] : qo_indptr[row] + (stop - start)]
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden_rows), dim=-1)
+            targets = state.prompt_token_ids[start + 1 : stop + 1]
+            num_top = [state.params.prompt_logprobs] * len(targets)
+            entries = collect_logprobs(logprobs, targets, num_top)
+            result[state.request_id] = [e for e in entries if e is not None]
+        return result

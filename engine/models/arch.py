@@ -1,0 +1,102 @@
+"""The architecture facts our decoder needs, read once from a Hugging Face config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """A Llama-family decoder: RMSNorm, RoPE, GQA, SwiGLU.
+
+    `qkv_bias` covers Qwen2 and `qk_norm` covers Qwen3; the rest is shared with Llama 2/3,
+    SmolLM2, TinyLlama and Mistral (without sliding window).
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] = field(default_factory=dict)
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    # Attention beyond this many tokens back would need sliding-window masking, which we do
+    # not implement: the engine caps max_model_len at it instead.
+    sliding_window: int | None = None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf_config(cls, config: Any, eos_token_ids: tuple[int, ...] = ()) -> ModelArch:
+        """Raises ValueError for a model type or feature we do not implement."""
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}"
+            )
+        rope = dict(_rope_parameters(config))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"unsupported rope type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}"
+            )
+        rope["rope_type"] = rope_type
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported activation {config.hidden_act!r}; only silu")
+        if getattr(config, "mlp_bias", False):
+            raise ValueError("MLP biases are not supported")
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        qkv_bias = model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+        return cls(
+            model_type=model_type,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
+            rope_scaling=rope,
+            max_position_embeddings=getattr(config, "max_position_embeddings", 2048),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            qk_norm=model_type == "qwen3",
+            eos_token_ids=eos_token_ids,
+            sliding_window=_sliding_window(config),
+        )
+
+
+def _rope_parameters(config: Any) -> dict[str, Any]:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    return dict(params or {})
+
+
+def _sliding_window(config: Any) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        return None
+    if config.model_type in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
+        return None
+    return int(window)

@@ -1,0 +1,77 @@
+"""Building blocks of a Llama-family decoder over a flat (unpadded) token batch."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b). Parameters start uninitialised: the loader always fills them."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """Normalises in float32 and scales in the input dtype, as Hugging Face's Llama does."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """Inverse frequencies for the default, linear and Llama 3 rope types (float32)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type != "llama3":
+        return inv_freq
+    factor = float(scaling["factor"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are slowed by `factor`, short ones kept; the band between blends.
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    in_band = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+    return torch.where(in_band, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any]) -> None:
+        super().__init__()
+        self.inv_freq: torch.Tensor
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos and sin for each position: (num_tokens, 1, head_dim) each."""
+        freqs = positions[:, None].float() * self.inv_freq.float()  # (T, head_dim / 2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (num_tokens, num_heads, head_dim), rotate-half layout."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

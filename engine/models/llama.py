@@ -1,0 +1,105 @@
+"""A Llama-family decoder written for paged attention.
+
+One class covers Llama 2/3, SmolLM2, TinyLlama, Mistral (no sliding window), Qwen2 (qkv
+bias) and Qwen3 (q/k RMSNorm). Inputs are a flat batch of tokens from many requests; the
+attention backend, passed in explicitly, knows which token belongs to which request.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.backend import AttentionBackend
+from engine.models.arch import ModelArch
+from engine.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = arch.num_heads, arch.num_kv_heads
+        self.head_dim = arch.head_dim
+        self.q_size, self.kv_size = arch.q_size, arch.kv_size
+        self.qkv_proj = Linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size, arch.qkv_bias)
+        self.o_proj = Linear(arch.q_size, arch.hidden_size)
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)  # (T, q_size + 2 * kv_size)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attn.forward(self.layer_idx, q, k, v)  # (T, num_heads, head_dim)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.intermediate_size = arch.intermediate_size
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size)
+        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(arch, layer_idx)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = MLP(arch)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """forward: token ids and positions -> final hidden states; compute_logits on a subset."""
+
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Parameter(
+            torch.empty(arch.vocab_size, arch.hidden_size), requires_grad=False
+        )
+        self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = (
+            None
+            if arch.tie_word_embeddings
+            else nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size), requires_grad=False)
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        """input_ids, positions: (num_tokens,). Returns (num_tokens, hidden_size)."""
+        x = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(n, hidden_size) -> (n, vocab_size) float32 logits."""
+        weight = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, weight).float()

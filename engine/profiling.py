@@ -1,0 +1,56 @@
+"""Optional wall-clock accounting of where step time goes (off by default: no overhead)."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import torch
+
+from engine.attention.backend import AttentionBackend
+from engine.attention.metadata import AttentionMetadata
+
+
+class StepProfiler:
+    """Accumulates seconds per named section; `attention` is measured inside `forward`."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.totals: dict[str, float] = defaultdict(float)
+
+    def section(self, name: str) -> Any:
+        return self._timed(name) if self.enabled else nullcontext()
+
+    @contextmanager
+    def _timed(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.totals[name] += time.perf_counter() - start
+
+    def wrap_backend(self, backend: AttentionBackend) -> AttentionBackend:
+        return _TimedBackend(backend, self) if self.enabled else backend
+
+    def report(self) -> dict[str, float]:
+        return dict(self.totals)
+
+
+class _TimedBackend:
+    def __init__(self, inner: AttentionBackend, profiler: StepProfiler) -> None:
+        self.inner = inner
+        self.profiler = profiler
+        self.name = inner.name
+
+    def plan(self, metadata: AttentionMetadata) -> None:
+        with self.profiler.section("attention_plan"):
+            self.inner.plan(metadata)
+
+    def forward(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        with self.profiler.section("attention"):
+            return self.inner.forward(layer_idx, q, k, v)

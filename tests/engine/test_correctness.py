@@ -1,0 +1,164 @@
+"""Greedy output equals transformers token for token, in float32, in every engine mode.
+
+(a) each request alone, (b) 8 requests of different lengths together, (c) chunked
+prefill, (d) shared prefixes served from the prefix cache, (e) preemption. The block
+pool invariants are checked after every step (check_invariants=True).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from tests.tiny_models import make_tiny_model
+
+MAX_TOKENS = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Reference: transformers' generate, one unpadded prompt at a time."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    outputs = []
+    for prompt in prompts:
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
+
+
+def engine_tokens(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY
+) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def make_prompts(seed: int, lengths: list[int], vocab: int = 256) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+LENGTHS = [5, 17, 33, 48, 64, 9, 80, 23]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    path = make_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
+    prompts = make_prompts(1, LENGTHS)
+    prefix = make_prompts(2, [3 * 16 + 5])[0]  # more than 3 blocks of 16
+    shared = [prefix + tail for tail in make_prompts(3, [4, 11, 1, 20])]
+    reference = hf_greedy(path, prompts + shared, MAX_TOKENS)
+    return path, prompts, shared, reference[: len(prompts)], reference[len(prompts) :]
+
+
+def tiny_llm(path: Path, **kwargs: object) -> LLM:
+    options: dict[str, object] = dict(
+        dtype="float32", block_size=16, num_kv_blocks=128, max_model_len=256, check_invariants=True
+    )
+    options.update(kwargs)
+    return LLM(str(path), **options)
+
+
+def test_each_request_alone(tiny) -> None:
+    path, prompts, _, reference, _ = tiny
+    llm = tiny_llm(path, enable_prefix_caching=False)
+    assert [engine_tokens(llm, [p])[0] for p in prompts] == reference
+
+
+def test_eight_requests_batched(tiny) -> None:
+    path, prompts, _, reference, _ = tiny
+    assert engine_tokens(tiny_llm(path), prompts) == reference
+
+
+def test_chunked_prefill(tiny) -> None:
+    path, prompts, _, reference, _ = tiny
+    assert engine_tokens(tiny_llm(path, max_num_batched_tokens=16), prompts) == reference
+
+
+def test_prefix_cache_hits(tiny) -> None:
+    path, _, shared, _, reference = tiny
+    llm = tiny_llm(path)
+    first = engine_tokens(llm, shared[:1])
+    outputs = llm.generate(shared[1:], GREEDY)
+    assert first + [o.outputs[0].token_ids for o in outputs] == reference
+    assert llm.engine.core.scheduler.kv_cache.counters.hits > 0
+    assert all(o.num_cached_tokens >= 48 for o in outputs)
+    # Same-batch sharing: all four at once, from a cold cache.
+    assert engine_tokens(tiny_llm(path), shared) == reference
+
+
+def test_preemption(tiny) -> None:
+    path, prompts, _, reference, _ = tiny
+    llm = tiny_llm(path, num_kv_blocks=10, max_model_len=160)
+    assert engine_tokens(llm, prompts) == reference
+    assert llm.engine.core.scheduler.total_preemptions > 0
+
+
+def test_llama3_rope_scaling(tmp_path: Path) -> None:
+    path = make_tiny_model("llama3-rope", tmp_path)
+    prompts = make_prompts(4, [70, 90])
+    assert engine_tokens(tiny_llm(path), prompts) == hf_greedy(path, prompts, MAX_TOKENS)
+
+
+@pytest.mark.slow
+def test_default_model_all_modes(default_model_dir: Path) -> None:
+    """The bundled SmolLM2, float32, prompts of 32+ tokens, stopping at EOS like HF."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    texts = [
+        "The history of the printing press begins in the fifteenth century, when Johannes "
+        "Gutenberg combined movable metal type with an oil-based ink and a screw press "
+        "borrowed from the wine makers of the Rhine valley",
+        "Photosynthesis is the process by which green plants and some other organisms use "
+        "sunlight to synthesize foods from carbon dioxide and water. In most plants the "
+        "process takes place in the leaves, where",
+        "Write a short poem about the sea. The waves roll in under a grey morning sky, and "
+        "the gulls cry out above the harbour where the fishing boats rock gently at their "
+        "moorings, waiting for",
+        'def fibonacci(n):\n    """Return the n-th Fibonacci number, computed iteratively '
+        "so that large inputs do not overflow the recursion limit of the interpreter, which "
+        'is a thousand frames by default."""\n',
+    ]
+    prompts = [tokenizer.encode(t) for t in texts]
+    assert min(len(p) for p in prompts) >= 32
+    reference = hf_greedy_stop(default_model_dir, prompts, 16)
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    options = dict(dtype="float32", max_model_len=512, check_invariants=True)
+
+    llm = LLM(str(default_model_dir), num_kv_blocks=128, enable_prefix_caching=False, **options)
+    assert [engine_tokens(llm, [p], params)[0] for p in prompts] == reference  # (a)
+    llm = LLM(str(default_model_dir), num_kv_blocks=128, **options)
+    assert engine_tokens(llm, prompts, params) == reference  # (b)
+    shared = [prompts[0] + p for p in prompts[1:]]
+    shared_ref = hf_greedy_stop(default_model_dir, shared, 16)
+    assert engine_tokens(llm, shared, params) == shared_ref  # (d)
+    assert llm.engine.core.scheduler.kv_cache.counters.hits > 0
+    chunked = LLM(str(default_model_dir), num_kv_blocks=128, max_num_batched_tokens=16, **options)
+    assert engine_tokens(chunked, prompts, params) == reference  # (c)
+    options["max_model_len"] = 128
+    small = LLM(str(default_model_dir), num_kv_blocks=14, **options)
+    assert engine_tokens(small, prompts + shared, params) == reference + shared_ref  # (e)
+    assert small.engine.core.scheduler.total_preemptions > 0
+
+
+def hf_greedy_stop(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    outputs = []
+    for prompt in prompts:
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False)
+        outputs.append(out[0, len(prompt) :].tolist())
+    return outputs

@@ -1,0 +1,214 @@
+"""Sampler: seeds, filters, penalties, logprobs and finish reasons."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.sampler import Sampler, SamplingRow
+from tests.tiny_models import make_tiny_model
+
+
+def row(params: SamplingParams, prompt: list[int] | None = None, output: list[int] | None = None):
+    return SamplingRow(params, prompt or [0], output or [], ())
+
+
+def empirical(logits: list[float], params: SamplingParams, n: int = 40000) -> torch.Tensor:
+    torch.manual_seed(0)
+    batch = torch.tensor([logits] * n)
+    tokens = Sampler(len(logits))(batch, [row(params)] * n).token_ids
+    return torch.bincount(torch.tensor(tokens), minlength=len(logits)).double() / n
+
+
+def assert_close_dist(observed: torch.Tensor, expected: list[float]) -> None:
+    expected_t = torch.tensor(expected, dtype=torch.float64)
+    diff = (observed - expected_t).abs().max().item()
+    print(f"observed {observed.tolist()} expected {expected} max diff {diff:.4f}")
+    assert diff < 0.012
+
+
+LOGITS = [2.0, 1.0, 0.5, 0.0, -1.0]
+
+
+def softmax(xs: list[float]) -> list[float]:
+    m = max(xs)
+    e = [math.exp(x - m) for x in xs]
+    return [v / sum(e) for v in e]
+
+
+def test_temperature_sampling_matches_softmax() -> None:
+    for temperature in (0.5, 1.0, 2.0):
+        expected = softmax([x / temperature for x in LOGITS])
+        assert_close_dist(empirical(LOGITS, SamplingParams(temperature=temperature)), expected)
+
+
+def test_top_p_keeps_the_nucleus() -> None:
+    p = softmax(LOGITS)  # ~[0.55, 0.20, 0.12, 0.07, 0.03]
+    # top_p=0.7: the first two tokens hold 0.75 >= 0.7, so only they survive.
+    kept = [p[0], p[1], 0, 0, 0]
+    expected = [v / sum(kept) for v in kept]
+    assert_close_dist(empirical(LOGITS, SamplingParams(top_p=0.7)), expected)
+
+
+def test_top_k_and_min_p() -> None:
+    p = softmax(LOGITS)
+    kept = [p[0], p[1], p[2], 0, 0]
+    assert_close_dist(empirical(LOGITS, SamplingParams(top_k=3)), [v / sum(kept) for v in kept])
+    # min_p=0.2 keeps tokens with p >= 0.2 * p_max ~ 0.11: the first three.
+    assert_close_dist(empirical(LOGITS, SamplingParams(min_p=0.2)), [v / sum(kept) for v in kept])
+
+
+def test_penalties_and_logit_bias_by_hand() -> None:
+    logits = torch.tensor([[1.0, -1.0, 2.0, 0.4, 3.0]])
+    params = SamplingParams(
+        temperature=0.0,
+        repetition_penalty=2.0,
+        frequency_penalty=0.5,
+        presence_penalty=0.25,
+        logit_bias={4: -10.0},
+    )
+    r = SamplingRow(params, prompt_token_ids=[0], output_token_ids=[1, 1, 2], stop_token_ids=())
+    processed = Sampler(5)._process(logits.clone(), [r])
+    expected = [
+        1.0 / 2.0,  # in the prompt: positive logit divided by the repetition penalty
+        -1.0 * 2.0 - 0.5 * 2 - 0.25,  # twice in the output: negative logit multiplied
+        2.0 / 2.0 - 0.5 * 1 - 0.25,
+        0.4,
+        3.0 - 10.0,  # bias only
+    ]
+    assert processed[0].tolist() == pytest.approx(expected)
+    # Greedy picks the argmax of the processed logits.
+    assert Sampler(5)(logits, [r]).token_ids == [0]
+
+
+def test_min_tokens_masks_stop_tokens() -> None:
+    logits = torch.tensor([[0.0, 5.0, 1.0]])
+    params = SamplingParams(temperature=0.0, min_tokens=2)
+    early = SamplingRow(params, [0], [2], stop_token_ids=(1,))
+    late = SamplingRow(params, [0], [2, 2], stop_token_ids=(1,))
+    assert Sampler(3)(logits, [early]).token_ids == [2]
+    assert Sampler(3)(logits, [late]).token_ids == [1]
+
+
+def test_logprobs_are_raw_log_softmax_with_rank() -> None:
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    out = Sampler(4)(logits, [row(SamplingParams(temperature=0.0, logprobs=2))])
+    reference = torch.log_softmax(logits, dim=-1)[0]
+    lp = out.logprobs[0]
+    assert lp is not None and lp.token_id == 1 and lp.rank == 1
+    assert lp.logprob == pytest.approx(reference[1].item())
+    assert [t for t, _ in lp.top] == [1, 2]
+    assert [v for _, v in lp.top] == pytest.approx([reference[1].item(), reference[2].item()])
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tmp_path_factory: pytest.TempPathFactory) -> tuple[LLM, Path]:
+    path = make_tiny_model("llama", tmp_path_factory.mktemp("sampling"))
+    llm = LLM(
+        str(path), dtype="float32", num_kv_blocks=256, max_model_len=256, check_invariants=True
+    )
+    return llm, path
+
+
+PROMPTS = [[5 + (i * 13 + j * 7) % 240 for j in range(6 + 3 * i)] for i in range(8)]
+
+
+def test_seed_gives_same_tokens_alone_and_in_a_batch(tiny_llm: tuple[LLM, Path]) -> None:
+    llm, _ = tiny_llm
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    unseeded = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    alone = llm.generate([PROMPTS[3]], seeded)[0].outputs[0].token_ids
+    params = [unseeded] * 8
+    params[3] = seeded
+    batched = llm.generate(PROMPTS, params)[3].outputs[0].token_ids
+    assert alone == batched
+    other_seed = SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=16, ignore_eos=True)
+    assert llm.generate([PROMPTS[3]], other_seed)[0].outputs[0].token_ids != alone
+
+
+def test_n_samples_differ_but_are_reproducible(tiny_llm: tuple[LLM, Path]) -> None:
+    llm, _ = tiny_llm
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    first = [c.token_ids for c in llm.generate([PROMPTS[0]], params)[0].outputs]
+    again = [c.token_ids for c in llm.generate([PROMPTS[0]], params)[0].outputs]
+    assert first == again
+    assert len({tuple(t) for t in first}) == 3
+
+
+def test_top_k_1_equals_greedy(tiny_llm: tuple[LLM, Path]) -> None:
+    llm, _ = tiny_llm
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    top1 = SamplingParams(temperature=1.5, top_k=1, max_tokens=12, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)] == [
+        o.outputs[0].token_ids for o in llm.generate(PROMPTS, top1)
+    ]
+
+
+def test_engine_logprobs_match_transformers(tiny_llm: tuple[LLM, Path]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    llm, path = tiny_llm
+    params = SamplingParams(temperature=0.8, seed=3, logprobs=3, max_tokens=6, ignore_eos=True)
+    out = llm.generate([PROMPTS[2]], params)[0].outputs[0]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = torch.tensor([PROMPTS[2] + out.token_ids])
+    with torch.no_grad():
+        reference = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+    assert out.logprobs is not None
+    start = len(PROMPTS[2]) - 1
+    for i, (token, lp) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        ref = reference[start + i]
+        assert lp.token_id == token
+        assert lp.logprob == pytest.approx(ref[token].item(), abs=1e-4)
+        assert [t for t, _ in lp.top] == ref.topk(3).indices.tolist()
+        assert lp.rank == int((ref > ref[token]).sum()) + 1
+
+
+def test_prompt_logprobs_match_transformers(tiny_llm: tuple[LLM, Path]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    llm, path = tiny_llm
+    prompt = PROMPTS[7]
+    params = SamplingParams(temperature=0.0, prompt_logprobs=1, max_tokens=1)
+    result = llm.generate([prompt], params)[0]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        reference = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    assert result.prompt_logprobs is not None and len(result.prompt_logprobs) == len(prompt) - 1
+    for j, lp in enumerate(result.prompt_logprobs):
+        assert lp.token_id == prompt[j + 1]
+        assert lp.logprob == pytest.approx(reference[j, prompt[j + 1]].item(), abs=1e-4)
+
+
+def test_finish_reasons(tiny_llm: tuple[LLM, Path]) -> None:
+    llm, _ = tiny_llm
+    eos = llm.config.arch.eos_token_ids[0]
+    cases = [
+        (SamplingParams(temperature=0.0, max_tokens=10, logit_bias={eos: 100.0}), "stop", None, 1),
+        (
+            SamplingParams(
+                temperature=0.0, max_tokens=10, stop_token_ids=[77], logit_bias={77: 100.0}
+            ),
+            "stop",
+            77,
+            1,
+        ),
+        (SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), "length", None, 4),
+        (
+            SamplingParams(temperature=0.0, max_tokens=10, min_tokens=3, logit_bias={eos: 100.0}),
+            "stop",
+            None,
+            4,
+        ),
+    ]
+    for params, reason, stop_reason, length in cases:
+        out = llm.generate([PROMPTS[0]], params)[0].outputs[0]
+        assert (out.finish_reason, out.stop_reason, len(out.token_ids)) == (
+            reason,
+            stop_reason,
+            length,
+        )

@@ -1,0 +1,73 @@
+"""Tiny random-weight models built with transformers' own config classes, saved to disk."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 256
+
+
+def save_word_tokenizer(path: Path) -> None:
+    """A word-level tokenizer over tokens t0..t255, with <s> = t1 and </s> = t2."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2"
+    )
+    fast.save_pretrained(path)
+
+
+def make_config(kind: str):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+    )
+    if kind == "llama":
+        return LlamaConfig(**common)
+    if kind == "llama3-rope":
+        return LlamaConfig(
+            **common,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
+    if kind == "qwen2":
+        return Qwen2Config(**common)
+    if kind == "qwen3":
+        return Qwen3Config(**common, head_dim=16)
+    raise ValueError(kind)
+
+
+def make_tiny_model(kind: str, path: Path, seed: int = 0) -> Path:
+    """Saves a random-weight model of `kind` (llama, llama3-rope, qwen2, qwen3) to `path`."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(make_config(kind), dtype=torch.float32)
+    model.save_pretrained(path)
+    save_word_tokenizer(path)
+    return path
