@@ -43,6 +43,8 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
+    # CUDA only: run decode steps eagerly instead of replaying captured CUDA graphs.
+    enforce_eager: bool = False
     num_threads: int | None = None
     profile: bool = False
     # Tests: verify the KV block pool after every step (slow; never in production).

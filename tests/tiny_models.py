@@ -10,16 +10,24 @@ VOCAB = 256
 
 
 def save_word_tokenizer(path: Path) -> None:
-    """A word-level tokenizer over tokens t0..t255, with <s> = t1 and </s> = t2."""
+    """A word-level tokenizer: <unk>, <s>, </s>, then words t3..t255 as ids 3..255.
+
+    Special tokens must not be substrings of words: the tokenizer splits on them first.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"t{i}": i for i in range(3, VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2"
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    # Roles become marker tokens; message words that are not t3..t255 map to <unk>.
+    fast.chat_template = (
+        "{% for m in messages %}{{ 't3 ' if m['role'] == 'user' else 't4 ' }}"
+        "{{ m['content'] }} t5 {% endfor %}{% if add_generation_prompt %}t6 {% endif %}"
     )
     fast.save_pretrained(path)
 

@@ -182,7 +182,7 @@ class Scheduler:
                 outputs.append(output)
         if any(r.is_finished for r in self.running):
             self.running = [r for r in self.running if not r.is_finished]
-        return StepResult(outputs, self._stats(scheduler_output))
+        return StepResult(outputs, self.stats(scheduler_output.total_num_scheduled_tokens))
 
     def _apply_output(
         self, request: Request, start: int, runner_output: ModelRunnerOutput
@@ -252,13 +252,14 @@ class Scheduler:
         del self.requests[request.request_id]
         self._finished_ids.add(request.request_id)
 
-    def _stats(self, scheduler_output: SchedulerOutput) -> SchedulerStats:
+    def stats(self, num_scheduled_tokens: int = 0) -> SchedulerStats:
+        """Mutates the delta counters: gauges now, counters since the previous call."""
         counters = self.kv_cache.counters
         stats = SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             kv_cache_usage=self.kv_cache.usage(),
-            num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
+            num_scheduled_tokens=num_scheduled_tokens,
             prefix_cache_queries=counters.queries - self._last_queries,
             prefix_cache_hits=counters.hits - self._last_hits,
             num_preemptions=self._num_preemptions,

@@ -1,0 +1,230 @@
+"""create_app: the FastAPI gateway over an AsyncEngine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.async_engine import AsyncEngine
+from engine.factory import Engine
+from server.chat import create_chat_completion, render_chat
+from server.completions import create_completion
+from server.errors import OpenAIError, error_body, from_validation_error
+from server.metrics import ServerMetrics
+from server.middleware import GatewayMiddleware
+from server.params import check_token_ids
+from server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from server.serving import ServingContext, sse_events
+from server.settings import AppState, Phase, ServerSettings
+
+logger = logging.getLogger("pagedserve.server")
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def package_version() -> str:
+    try:
+        return version("pagedserve")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def create_app(
+    engine: Engine | Callable[[], Engine],
+    settings: ServerSettings,
+    fail_after_steps: int | None = None,
+) -> FastAPI:
+    """Builds the gateway. `engine` is ready, or a loader run in a thread at startup (the
+    server answers probes, with /ready at 503, while it loads). `fail_after_steps` is a
+    test-only fault injection passed to the AsyncEngine."""
+    state = AppState(settings)
+
+    def attach(loaded: Engine) -> None:
+        metrics = ServerMetrics(settings.served_model_name or loaded.config.model_path.name)
+        cache = loaded.config.cache
+        metrics.set_cache_config(cache.block_size, cache.num_blocks, cache.enable_prefix_caching)
+        async_engine = AsyncEngine(
+            loaded.core, loaded.config.arch.eos_token_ids, metrics.observe_step, fail_after_steps
+        )
+        async_engine.start()
+        state.engine = loaded
+        state.serving = ServingContext(
+            engine=async_engine,
+            tokenizer=loaded.tokenizer,
+            model_name=metrics.model_name,
+            max_model_len=loaded.config.scheduler.max_model_len,
+            vocab_size=loaded.config.arch.vocab_size,
+            metrics=metrics,
+            log_requests=settings.log_requests,
+        )
+        state.phase = Phase.READY
+        logger.info("ready: serving %s", metrics.model_name)
+
+    async def load(loader: Callable[[], Engine]) -> None:
+        try:
+            attach(await asyncio.to_thread(loader))
+        except Exception as exc:
+            logger.exception("model loading failed")
+            state.load_error = exc
+            state.phase = Phase.FAILED
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loading = None
+        if isinstance(engine, Engine):
+            attach(engine)
+        else:
+            loading = asyncio.create_task(load(engine))
+        yield
+        if loading is not None:
+            loading.cancel()
+        if state.serving is not None:
+            await state.serving.engine.stop()
+
+    app = FastAPI(title="pagedserve", version=package_version(), lifespan=lifespan)
+    app.state.gateway = state
+    app.add_middleware(GatewayMiddleware, state=state)
+    _install_error_handlers(app)
+    _add_routes(app, state)
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(
+            error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code
+        )
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return JSONResponse(error_body(500, f"internal error: {exc!r}"), status_code=500)
+
+
+async def parse(request: Request, model: type[Body]) -> Body:
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise OpenAIError(400, f"We could not parse the JSON body of your request: {exc}") from None
+    if not isinstance(data, dict):
+        raise OpenAIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+def _add_routes(app: FastAPI, state: AppState) -> None:
+    def serving() -> ServingContext:
+        if state.serving is None:
+            raise OpenAIError(503, f"the server is not ready ({state.phase.value})")
+        return state.serving
+
+    def check_model(ctx: ServingContext, model: str | None) -> None:
+        if model is not None and model != ctx.model_name:
+            raise OpenAIError(
+                404, f"The model `{model}` does not exist.", "model", code="model_not_found"
+            )
+
+    async def respond(result: dict[str, Any] | AsyncIterator[dict[str, Any]]) -> Any:
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return EventSourceResponse(sse_events(result), ping=15)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        ctx = serving()
+        body = await parse(request, CompletionRequest)
+        check_model(ctx, body.model)
+        result = await create_completion(ctx, body, request.state.request_id)
+        return await respond(result)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        ctx = serving()
+        body = await parse(request, ChatCompletionRequest)
+        check_model(ctx, body.model)
+        result = await create_chat_completion(ctx, body, request.state.request_id)
+        return await respond(result)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        ctx = serving()
+        assert state.engine is not None
+        card = {
+            "id": ctx.model_name,
+            "object": "model",
+            "created": int(state.started),
+            "owned_by": "pagedserve",
+            "root": ctx.model_name,
+            "max_model_len": ctx.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        ctx = serving()
+        body = await parse(request, TokenizeRequest)
+        check_model(ctx, body.model)
+        if body.messages is not None:
+            ids = render_chat(ctx, body.messages, body.add_generation_prompt is not False)
+        else:
+            add_special = body.add_special_tokens is not False
+            ids = list(ctx.tokenizer.encode(body.prompt, add_special_tokens=add_special))
+        return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        ctx = serving()
+        body = await parse(request, DetokenizeRequest)
+        check_model(ctx, body.model)
+        check_token_ids(body.tokens, ctx.vocab_size, "tokens")
+        return {"prompt": ctx.tokenizer.decode(body.tokens)}
+
+    @app.get("/version")
+    async def get_version() -> dict[str, str]:
+        return {"version": package_version()}
+
+    @app.get("/health")
+    async def health() -> Response:
+        alive, reason = state.liveness()
+        return JSONResponse(
+            {"status": "ok" if alive else "unhealthy", "reason": reason}, 200 if alive else 503
+        )
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        ok, reason = state.readiness()
+        return JSONResponse(
+            {"status": "ready" if ok else "not ready", "reason": reason}, 200 if ok else 503
+        )
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if state.serving is None:
+            return PlainTextResponse("", media_type=CONTENT_TYPE_LATEST)
+        return Response(
+            generate_latest(state.serving.metrics.registry), media_type=CONTENT_TYPE_LATEST
+        )

@@ -1,0 +1,129 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from engine.scheduler.output import Logprobs
+from server.errors import OpenAIError
+from server.params import sampling_params
+from server.protocol import ChatCompletionRequest, ChatMessage
+from server.serving import Choice, ServingContext, collect, make_choices, merge, now, usage
+
+
+def render_chat(
+    ctx: ServingContext,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> list[int]:
+    """Applies the tokenizer's chat template and tokenizes the result."""
+    if not getattr(ctx.tokenizer, "chat_template", None):
+        raise OpenAIError(400, "this model has no chat template; use /v1/completions", "messages")
+    conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    try:
+        text = ctx.tokenizer.apply_chat_template(
+            conversation,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
+    except Exception as exc:  # a template may raise on a conversation it does not accept
+        raise OpenAIError(
+            400, f"the chat template rejected the messages: {exc}", "messages"
+        ) from None
+    return list(ctx.tokenizer.encode(text, add_special_tokens=False))
+
+
+def _logprob_entries(ctx: ServingContext, entries: list[Logprobs]) -> list[dict[str, Any]]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = ctx.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return [
+        entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top]}
+        for lp in entries
+    ]
+
+
+async def create_chat_completion(
+    ctx: ServingContext, body: ChatCompletionRequest, request_id: str
+) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
+    prompt = render_chat(
+        ctx,
+        body.messages,
+        add_generation_prompt=body.add_generation_prompt is not False
+        and not body.continue_final_message,
+        continue_final_message=bool(body.continue_final_message),
+    )
+    params = sampling_params(body, len(prompt), ctx.max_model_len, ctx.vocab_size)
+    choices = make_choices([prompt], [params])
+    response_id = f"chatcmpl-{request_id}"
+    if body.stream:
+        return _stream(ctx, body, choices, request_id, response_id)
+    await collect(ctx, choices, request_id, body.cache_salt)
+    return {
+        "id": response_id,
+        "object": "chat.completion",
+        "created": now(),
+        "model": ctx.model_name,
+        "choices": [_final_choice(ctx, body, c) for c in choices],
+        "usage": usage(choices),
+    }
+
+
+def _final_choice(
+    ctx: ServingContext, body: ChatCompletionRequest, choice: Choice
+) -> dict[str, Any]:
+    tracker = choice.tracker
+    assert tracker is not None
+    logprobs = {"content": _logprob_entries(ctx, tracker.logprobs)} if body.logprobs else None
+    return {
+        "index": choice.index,
+        "message": {"role": "assistant", "content": tracker.text},
+        "logprobs": logprobs,
+        "finish_reason": tracker.finish_reason,
+        "stop_reason": tracker.stop_reason,
+    }
+
+
+async def _stream(
+    ctx: ServingContext,
+    body: ChatCompletionRequest,
+    choices: list[Choice],
+    request_id: str,
+    response_id: str,
+) -> AsyncIterator[dict[str, Any]]:
+    created = now()
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def chunk(index: int, delta: dict[str, Any], **extra: Any) -> dict[str, Any]:
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+        out: dict[str, Any] = {
+            "id": response_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": ctx.model_name,
+            "choices": [choice | extra],
+        }
+        if include_usage:
+            out["usage"] = None
+        return out
+
+    # The role comes first, in its own chunk per choice, as OpenAI sends it.
+    for choice in choices:
+        yield chunk(choice.index, {"role": "assistant", "content": ""})
+    async for choice, delta in merge(ctx, choices, request_id, body.cache_salt):
+        logprobs = {"content": _logprob_entries(ctx, delta.logprobs)} if body.logprobs else None
+        if delta.text or logprobs:
+            yield chunk(choice.index, {"content": delta.text}, logprobs=logprobs)
+        if delta.finish_reason is not None:
+            yield chunk(
+                choice.index, {}, finish_reason=delta.finish_reason, stop_reason=delta.stop_reason
+            )
+    if include_usage:
+        final = chunk(0, {})
+        final["choices"] = []
+        final["usage"] = usage(choices)
+        yield final

@@ -1,0 +1,148 @@
+"""Prometheus metrics under vLLM's V1 names, so existing dashboards and autoscalers work.
+
+Every series carries `model_name`. The registry belongs to the app: no global state.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from engine.scheduler.output import SchedulerStats
+
+# Buckets span a fast GPU (milliseconds) and a small CPU box (tens of seconds).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)  # fmt: skip
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+               0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+               30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000,
+                 50000, 100000)  # fmt: skip
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.model_name = model_name
+        gauge, counter, hist = self._gauge, self._counter, self._histogram
+        self.running = gauge("vllm:num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge(
+            "vllm:kv_cache_usage_perc", "Fraction of KV cache blocks held by requests (0-1)."
+        )
+        self.cache_config = Gauge(
+            "vllm:cache_config_info",
+            "KV cache configuration (value is always 1).",
+            ["model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching"],
+            registry=self.registry,
+        )
+        self.prefix_queries = counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens served from the cache.")
+        self.preemptions = counter("vllm:num_preemptions", "Requests preempted.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens produced.")
+        self.success = counter(
+            "vllm:request_success", "Finished requests by finish reason.", "finished_reason"
+        )
+        self.errors = counter(
+            "pagedserve:request_errors", "HTTP requests answered with an error status.", "code"
+        )
+        self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = hist("vllm:inter_token_latency_seconds", "Time between tokens.", ITL_BUCKETS)
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "Request latency.", E2E_BUCKETS)
+        self.queue_time = hist(
+            "vllm:request_queue_time_seconds", "Time queued before first scheduled.", E2E_BUCKETS
+        )
+        self.iteration_tokens = hist(
+            "vllm:iteration_tokens_total", "Tokens scheduled per engine step.", TOKEN_BUCKETS
+        )
+        self.request_prompt_tokens = hist(
+            "vllm:request_prompt_tokens", "Prompt length per request.", TOKEN_BUCKETS
+        )
+        self.request_generation_tokens = hist(
+            "vllm:request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS
+        )
+        for reason in FINISH_REASONS:
+            self.success.labels(model_name, reason)
+
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        metric = Gauge(name, doc, ["model_name"], registry=self.registry)
+        metric.labels(self.model_name)
+        return metric
+
+    def _counter(self, name: str, doc: str, extra_label: str | None = None) -> Counter:
+        labels = ["model_name"] + ([extra_label] if extra_label else [])
+        metric = Counter(name, doc, labels, registry=self.registry)
+        if extra_label is None:
+            metric.labels(self.model_name)
+        return metric
+
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        metric = Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry)
+        metric.labels(self.model_name)
+        return metric
+
+    def set_cache_config(self, block_size: int, num_blocks: int, prefix_caching: bool) -> None:
+        labels = (self.model_name, str(block_size), str(num_blocks), str(prefix_caching).lower())
+        self.cache_config.labels(*labels).set(1)
+
+    def observe_step(self, stats: SchedulerStats) -> None:
+        """The engine's stats listener: runs on the event loop after every step."""
+        name = self.model_name
+        self.running.labels(name).set(stats.num_running)
+        self.waiting.labels(name).set(stats.num_waiting)
+        self.kv_usage.labels(name).set(stats.kv_cache_usage)
+        self.prefix_queries.labels(name).inc(stats.prefix_cache_queries)
+        self.prefix_hits.labels(name).inc(stats.prefix_cache_hits)
+        self.preemptions.labels(name).inc(stats.num_preemptions)
+        if stats.num_scheduled_tokens:
+            self.iteration_tokens.labels(name).observe(stats.num_scheduled_tokens)
+
+    def count_error(self, status: int) -> None:
+        self.errors.labels(self.model_name, str(status)).inc()
+
+    def request(self, num_prompt_tokens: int) -> RequestTimer:
+        return RequestTimer(self, num_prompt_tokens)
+
+
+@dataclass
+class RequestTimer:
+    """Latency bookkeeping for one engine request (one choice)."""
+
+    metrics: ServerMetrics
+    num_prompt_tokens: int
+    start: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    last_token: float | None = None
+    num_tokens: int = 0
+
+    def on_tokens(self, count: int, queue_time: float | None) -> None:
+        if count == 0:
+            return
+        m, name, now = self.metrics, self.metrics.model_name, time.monotonic()
+        if self.last_token is None:
+            self.first_token = now
+            m.ttft.labels(name).observe(now - self.start)
+        else:
+            m.itl.labels(name).observe(now - self.last_token)
+        if queue_time is not None:
+            m.queue_time.labels(name).observe(queue_time)
+        m.generation_tokens.labels(name).inc(count)
+        self.last_token = now
+        self.num_tokens += count
+
+    def on_finish(self, finish_reason: str, count_prompt: bool) -> None:
+        """`count_prompt` is False for the 2nd..nth choice of one prompt: usage counts it once."""
+        m, name = self.metrics, self.metrics.model_name
+        m.e2e.labels(name).observe(time.monotonic() - self.start)
+        m.success.labels(name, finish_reason).inc()
+        m.request_generation_tokens.labels(name).observe(self.num_tokens)
+        if count_prompt:
+            m.prompt_tokens.labels(name).inc(self.num_prompt_tokens)
+            m.request_prompt_tokens.labels(name).observe(self.num_prompt_tokens)

@@ -1,0 +1,181 @@
+"""OpenAI request bodies, validated once at the edge.
+
+Unknown fields are rejected (extra="forbid"), as OpenAI's own API does. A known field that
+we do not implement is rejected when it is set to anything but its default; null always
+counts as absent.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from server.errors import OpenAIError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+
+def _unsupported(body: BaseModel, defaults: dict[str, Any]) -> None:
+    for name, allowed in defaults.items():
+        value = getattr(body, name)
+        if value is not None and value not in allowed:
+            raise OpenAIError(400, f"`{name}` is not supported by this server", param=name)
+
+
+class SamplingFields(_Strict):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    n: int | None = Field(default=None, ge=1, le=128)
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extensions.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    cache_salt: str | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise OpenAIError(
+                400, "stream_options is only allowed when stream is true", "stream_options"
+            )
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise OpenAIError(
+                400,
+                "continuous_usage_stats is not supported",
+                "stream_options.continuous_usage_stats",
+            )
+        return self
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _reject_unsupported(self) -> CompletionRequest:
+        _unsupported(self, {"best_of": (1,), "suffix": ("",)})
+        return self
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # Known OpenAI fields that we do not implement: rejected unless default.
+    tools: list[Any] | None = None
+    tool_choice: Any | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: Any | None = None
+    response_format: dict[str, Any] | None = None
+    audio: Any | None = None
+    modalities: list[str] | None = None
+    prediction: Any | None = None
+    reasoning_effort: str | None = None
+    service_tier: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    web_search_options: Any | None = None
+    # Chat-template controls (vLLM extensions).
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+
+    @model_validator(mode="after")
+    def _reject_unsupported(self) -> ChatCompletionRequest:
+        _unsupported(
+            self,
+            {
+                "tools": ([],),
+                "tool_choice": ("none",),
+                "parallel_tool_calls": (True,),
+                "functions": ([],),
+                "function_call": ("none",),
+                "response_format": ({"type": "text"},),
+                "audio": (),
+                "modalities": (["text"],),
+                "prediction": (),
+                "reasoning_effort": (),
+                "service_tier": ("auto", "default"),
+                "store": (False,),
+                "web_search_options": (),
+            },
+        )
+        if self.top_logprobs is not None and not self.logprobs:
+            raise OpenAIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise OpenAIError(
+                400, "set max_tokens or max_completion_tokens, not both", "max_completion_tokens"
+            )
+        if self.continue_final_message and self.add_generation_prompt:
+            raise OpenAIError(
+                400,
+                "continue_final_message and add_generation_prompt cannot both be true",
+                "continue_final_message",
+            )
+        return self
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise OpenAIError(400, "give exactly one of prompt or messages", "prompt")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]

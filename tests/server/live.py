@@ -1,0 +1,91 @@
+"""A real uvicorn server in a background thread, and one in a subprocess for CLI tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
+
+from engine.factory import Engine
+from server.app import create_app
+from server.settings import AppState, ServerSettings
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_ready(url: str, timeout: float = 120.0, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} did not become ready")
+
+
+class LiveServer:
+    """uvicorn serving create_app(engine, settings) on a free port, in a thread."""
+
+    def __init__(self, engine: Engine, **settings: Any) -> None:
+        self.settings = ServerSettings(host="127.0.0.1", port=free_port(), **settings)
+        self.app = create_app(engine, self.settings)
+        self.engine = engine
+        config = uvicorn.Config(
+            self.app, host="127.0.0.1", port=self.settings.port, log_level="warning", lifespan="on"
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.url = f"http://127.0.0.1:{self.settings.port}"
+
+    @property
+    def state(self) -> AppState:
+        return self.app.state.gateway
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        wait_ready(self.url)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+class ServerProcess:
+    """`python -m server.cli serve ...` as a subprocess, as a container would run it."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, log: Path | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [sys.executable, "-m", "server.cli", "serve", *args, "--host", "127.0.0.1",
+                    "--port", str(self.port)]  # fmt: skip
+        self.env = {**os.environ, **(env or {})}
+        self.log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> ServerProcess:
+        out = open(self.log, "wb") if self.log else subprocess.DEVNULL
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT)
+        wait_ready(self.url, proc=self.proc)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
