@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: install serve test lint format clean
+.PHONY: install serve test lint format clean promtool
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -29,7 +29,14 @@ format: install
 	$(VENV)/bin/ruff check --fix engine server tests benchmarks
 	$(VENV)/bin/ruff format engine server tests benchmarks
 
-test: install lint
+# promtool checks the metrics and alert rules; it comes from Debian's prometheus package.
+promtool:
+	@command -v promtool >/dev/null || { \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends prometheus; }
+
+test: install lint promtool
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 clean:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine.scheduler.output import SchedulerStats
@@ -26,6 +27,8 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 class ServerMetrics:
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        # vLLM exposes no `_created` series; neither do we (a prometheus_client switch).
+        prometheus_client.disable_created_metrics()
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
         gauge, counter, hist = self._gauge, self._counter, self._histogram

@@ -73,8 +73,17 @@ class ServerProcess:
     def __init__(self, args: list[str], env: dict[str, str] | None = None, log: Path | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "server.cli", "serve", *args, "--host", "127.0.0.1",
-                    "--port", str(self.port)]  # fmt: skip
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "server.cli",
+            "serve",
+            *args,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+        ]
         self.env = {**os.environ, **(env or {})}
         self.log = log
         self.proc: subprocess.Popen[bytes] | None = None

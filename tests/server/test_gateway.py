@@ -122,11 +122,15 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "t10", "stream_options": {}}, 400, "stream_options"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools"),
-    ("/v1/chat/completions", {"messages": USER, "response_format": {"type": "json_object"}},
-     400, "response_format"),
+    (
+        "/v1/chat/completions",
+        {"messages": USER, "response_format": {"type": "json_object"}},
+        400,
+        "response_format",
+    ),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "t10"}]}, 400, None),
     ("/v1/chat/completions", {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("path", "body", "status", "param"), BAD_REQUESTS)
@@ -186,8 +190,12 @@ def test_api_key(tiny_model_dir: Path) -> None:
 
 
 def test_request_id_is_honoured_and_echoed(tiny_server: LiveServer) -> None:
-    response = post(tiny_server, "/v1/completions", {"prompt": "t10", "max_tokens": 1},
-                    headers={"X-Request-Id": "abc-123"})  # fmt: skip
+    response = post(
+        tiny_server,
+        "/v1/completions",
+        {"prompt": "t10", "max_tokens": 1},
+        headers={"X-Request-Id": "abc-123"},
+    )
     assert response.headers["x-request-id"] == "abc-123"
     assert response.json()["id"] == "cmpl-abc-123"
     generated = post(tiny_server, "/v1/completions", {"prompt": "t10", "max_tokens": 1})

@@ -82,9 +82,13 @@ def test_chat_sync_and_stream(server: LiveServer) -> None:
         {"role": "user", "content": "What is the capital of France?"},
     ]
     full = c.chat.completions.create(
-        model=model_of(server), messages=messages, max_tokens=16, temperature=0.0,
-        logprobs=True, top_logprobs=2,
-    )  # fmt: skip
+        model=model_of(server),
+        messages=messages,
+        max_tokens=16,
+        temperature=0.0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     shapes.check_chat(full.model_dump(exclude_unset=True), n_choices=1, logprobs=True)
     stream = c.chat.completions.create(
         model=model_of(server), messages=messages, max_tokens=16, temperature=0.0, stream=True
