@@ -152,9 +152,14 @@ def create_engine(args: EngineArgs) -> Engine:
     )
     logger.info(
         "engine: %s on %s in %s, %d KV blocks of %d tokens, max_model_len %d, backend %s",
-        folder.name, device, dtype, cache_config.num_blocks, cache_config.block_size,
-        max_model_len, backend,
-    )  # fmt: skip
+        folder.name,
+        device,
+        dtype,
+        cache_config.num_blocks,
+        cache_config.block_size,
+        max_model_len,
+        backend,
+    )
     kv_manager = KVCacheManager(
         cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
     )

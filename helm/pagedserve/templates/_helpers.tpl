@@ -1,0 +1,141 @@
+{{/*
+The chart name, or nameOverride.
+*/}}
+{{- define "pagedserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+The full name of the release's resources. It starts with the release name, so two releases
+in one namespace never collide.
+*/}}
+{{- define "pagedserve.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "pagedserve.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Selector labels. app.kubernetes.io/instance is the release name, which keeps the selectors
+of two releases in one namespace disjoint. They are immutable on a Deployment: never add
+a label here that can change between upgrades.
+*/}}
+{{- define "pagedserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "pagedserve.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "pagedserve.labels" -}}
+helm.sh/chart: {{ include "pagedserve.chart" . }}
+{{ include "pagedserve.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/component: inference-server
+{{- end }}
+
+{{- define "pagedserve.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "pagedserve.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/*
+The image reference. The Dockerfile's targets are tagged <version>-cpu and <version>-gpu.
+*/}}
+{{- define "pagedserve.image" -}}
+{{- $variant := ternary "gpu" "cpu" (gt (int .Values.gpu.count) 0) }}
+{{- $tag := .Values.image.tag | default (printf "%s-%s" .Chart.AppVersion $variant) }}
+{{- printf "%s:%s" .Values.image.repository $tag }}
+{{- end }}
+
+{{/*
+The Secret holding the API key, or "" when the API is open.
+*/}}
+{{- define "pagedserve.apiKeySecretName" -}}
+{{- if .Values.apiKey.existingSecret }}
+{{- .Values.apiKey.existingSecret }}
+{{- else if .Values.apiKey.value }}
+{{- printf "%s-api-key" (include "pagedserve.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{- define "pagedserve.modelClaimName" -}}
+{{- .Values.model.pvc.existingClaim | default (printf "%s-models" (include "pagedserve.fullname" .)) }}
+{{- end }}
+
+{{/*
+The model directory as the server sees it, or "" for the image's default model.
+*/}}
+{{- define "pagedserve.modelPath" -}}
+{{- if eq .Values.model.source "image" }}
+{{- .Values.model.path }}
+{{- else if .Values.model.path }}
+{{- printf "%s/%s" (trimSuffix "/" .Values.model.mountPath) (trimPrefix "/" .Values.model.path) }}
+{{- else }}
+{{- .Values.model.mountPath }}
+{{- end }}
+{{- end }}
+
+{{/*
+The server flags as PAGEDSERVE_* variables: maxNumSeqs -> PAGEDSERVE_MAX_NUM_SEQS. Helm
+holds every number as a float64, so whole numbers are printed as integers (4294967296, not
+4.294967296e+09). null and "" leave the flag to the server's default.
+*/}}
+{{- define "pagedserve.serverEnv" -}}
+{{- range $flag, $value := .Values.server }}
+{{- if and (kindIs "float64" $value) (eq $value (float64 (int64 $value))) }}
+{{- $value = int64 $value }}
+{{- end }}
+{{- if not (or (kindIs "invalid" $value) (eq (toString $value) "")) }}
+- name: PAGEDSERVE_{{ snakecase $flag | upper }}
+  value: {{ toString $value | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+SIGKILL comes terminationGracePeriodSeconds after deletion starts, and that period includes
+the preStop hook. Deriving it here keeps it longer than the preStop sleep plus the server's
+drain, whatever the values.
+*/}}
+{{- define "pagedserve.terminationGracePeriodSeconds" -}}
+{{- add .Values.shutdown.preStopSleepSeconds .Values.server.shutdownTimeout .Values.shutdown.graceMarginSeconds }}
+{{- end }}
+
+{{/*
+The user cache directory in the image (HOME is /home/pagedserve in the Dockerfile).
+*/}}
+{{- define "pagedserve.userCacheDir" -}}
+/home/pagedserve/.cache
+{{- end }}
+
+{{/*
+Combinations the schema cannot express.
+*/}}
+{{- define "pagedserve.validate" -}}
+{{- if and .Values.autoscaling.enabled .Values.keda.enabled }}
+{{- fail "autoscaling.enabled and keda.enabled are mutually exclusive: KEDA manages its own HorizontalPodAutoscaler" }}
+{{- end }}
+{{- if and .Values.keda.enabled (not .Values.keda.prometheus.serverAddress) }}
+{{- fail "keda.enabled needs keda.prometheus.serverAddress" }}
+{{- end }}
+{{- if and (eq .Values.model.source "hostPath") (not .Values.model.hostPath.path) }}
+{{- fail "model.source=hostPath needs model.hostPath.path" }}
+{{- end }}
+{{- if and (eq .Values.model.source "image") .Values.model.path (not (isAbs .Values.model.path)) }}
+{{- fail "model.source=image needs an absolute model.path (or an empty one for the default model)" }}
+{{- end }}
+{{- end }}

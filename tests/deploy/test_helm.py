@@ -1,0 +1,606 @@
+"""The Helm chart in helm/pagedserve, linted and rendered by the real Helm engine.
+
+helm-python-sdk embeds Helm's Go library, so these tests need no helm binary and no cluster.
+Rendered manifests of core kinds are validated strictly (unknown fields rejected) against the
+Kubernetes OpenAPI schemas that kubernetes-validate ships, for the oldest Kubernetes release
+the chart supports and a recent one.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any, ClassVar
+
+import kubernetes_validate
+import pytest
+import yaml
+
+try:
+    import helm_python as helm
+except ImportError as error:  # a setup mistake, not a platform limit: fail loudly
+    raise ImportError("tests/deploy needs helm-python-sdk: pip install -e '.[dev]'") from error
+except Exception as error:  # installed, but its native Helm library cannot load here
+    pytest.skip(f"helm-python-sdk cannot load Helm here: {error}", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "pagedserve"
+EXAMPLE_VALUES = sorted((ROOT / "deploy" / "values").glob("*.yaml"))
+# Chart files that are symlinks to the one copy of each artifact in deploy/.
+LINKED_FILES = {
+    "files/grafana/pagedserve.json": ROOT / "deploy" / "grafana" / "pagedserve.json",
+    "files/prometheus/alerts.yaml": ROOT / "deploy" / "prometheus" / "alerts.yaml",
+}
+# Chart.yaml says kubeVersion >=1.25: the oldest supported release and a recent one.
+KUBE_VERSIONS = ("1.25", "1.35")
+
+PROMETHEUS = {"serverAddress": "http://prometheus-operated.monitoring.svc:9090"}
+EVERYTHING = {
+    "gpu": {"count": 1},
+    "model": {"source": "pvc", "path": "Llama-3.1-8B-Instruct"},
+    "apiKey": {"value": "test-key"},
+    "serviceMonitor": {"enabled": True},
+    "prometheusRule": {"enabled": True},
+    "grafanaDashboard": {"enabled": True},
+}
+VARIANTS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "everything-with-hpa": {**EVERYTHING, "autoscaling": {"enabled": True}},
+    "everything-with-keda": {**EVERYTHING, "keda": {"enabled": True, "prometheus": PROMETHEUS}},
+    "hostpath-model": {"model": {"source": "hostPath", "hostPath": {"path": "/mnt/models"}}},
+    **{f"example-{path.stem}": helm.values_from_yaml(path.read_text()) for path in EXAMPLE_VALUES},
+}
+
+
+def render(
+    values: dict[str, Any] | None = None, *, release: str = "demo", namespace: str = "llm"
+) -> list[dict[str, Any]]:
+    """The chart's manifests for `values`, as `helm template` would produce them."""
+    with helm.Chart.load(CHART) as chart:
+        rendered = chart.render(values or {}, name=release, namespace=namespace)
+    return [
+        manifest
+        for path, text in sorted(rendered.items())
+        if path.endswith(".yaml")
+        for manifest in yaml.safe_load_all(text)
+        if manifest
+    ]
+
+
+def the(manifests: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    """The one manifest of `kind`."""
+    found = [m for m in manifests if m["kind"] == kind]
+    assert len(found) == 1, f"expected one {kind}, got {len(found)}"
+    return found[0]
+
+
+def kinds(manifests: list[dict[str, Any]]) -> set[str]:
+    return {m["kind"] for m in manifests}
+
+
+def server_container(manifests: list[dict[str, Any]]) -> dict[str, Any]:
+    containers = the(manifests, "Deployment")["spec"]["template"]["spec"]["containers"]
+    return next(c for c in containers if c["name"] == "server")
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    """name -> value, or -> valueFrom for variables read from elsewhere."""
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(key) == value for key, value in selector.items())
+
+
+# --- Custom resources -----------------------------------------------------------------------
+# ServiceMonitor and PrometheusRule (Prometheus Operator) and ScaledObject (KEDA) are CRDs,
+# absent from the core schemas kubernetes-validate carries. They are checked by hand instead:
+# apiVersion and kind, and the fields their controllers require or this chart relies on.
+
+
+def check_service_monitor(monitor: dict[str, Any]) -> None:
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    spec = monitor["spec"]
+    assert spec["selector"]["matchLabels"]
+    assert spec["endpoints"]
+    for endpoint in spec["endpoints"]:
+        assert endpoint["port"] == "http"
+        assert endpoint["path"] == "/metrics"
+
+
+def check_prometheus_rule(rule: dict[str, Any]) -> None:
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    groups = rule["spec"]["groups"]
+    assert groups
+    for group in groups:
+        assert isinstance(group["name"], str) and group["name"]
+        assert group["rules"]
+        for item in group["rules"]:
+            assert isinstance(item["expr"], str) and item["expr"].strip()
+            assert ("alert" in item) != ("record" in item), item
+            for field in ("labels", "annotations"):
+                assert all(isinstance(v, str) for v in item.get(field, {}).values())
+
+
+def check_scaled_object(scaled: dict[str, Any]) -> None:
+    assert scaled["apiVersion"] == "keda.sh/v1alpha1"
+    spec = scaled["spec"]
+    assert spec["scaleTargetRef"]["name"]
+    assert spec["triggers"]
+    for trigger in spec["triggers"]:
+        assert trigger["type"]
+        # KEDA's trigger metadata is a map of strings.
+        assert all(isinstance(v, str) for v in trigger["metadata"].values())
+
+
+CUSTOM_RESOURCE_CHECKS = {
+    "ServiceMonitor": check_service_monitor,
+    "PrometheusRule": check_prometheus_rule,
+    "ScaledObject": check_scaled_object,
+}
+
+
+# --- Lint, render, validate -----------------------------------------------------------------
+
+
+def test_example_values_exist() -> None:
+    assert {path.stem for path in EXAMPLE_VALUES} >= {"cpu", "gpu-llama-3.1-8b"}
+
+
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_helm_lint_is_clean(variant: str, kube_version: str) -> None:
+    report = helm.lint(CHART, VARIANTS[variant], strict=True, kube_version=f"v{kube_version}.0")
+    problems = [m for m in report["messages"] if m["severity"] >= 2]  # 2 warning, 3 error
+    assert report["errors"] == [] and problems == []
+
+
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_manifests_match_kubernetes_schemas(variant: str, kube_version: str) -> None:
+    manifests = render(VARIANTS[variant])
+    assert {"Deployment", "Service"} <= kinds(manifests)
+    for manifest in manifests:
+        check = CUSTOM_RESOURCE_CHECKS.get(manifest["kind"])
+        if check is not None:
+            check(manifest)
+        else:
+            kubernetes_validate.validate(manifest, kube_version, strict=True)
+
+
+def test_the_schema_validator_has_teeth() -> None:
+    """The validation above can fail: a misspelled field is rejected."""
+    deployment = the(render(), "Deployment")
+    deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbes"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, KUBE_VERSIONS[0], strict=True)
+
+
+def test_all_features_render() -> None:
+    assert kinds(render(VARIANTS["everything-with-hpa"])) >= {
+        "Deployment",
+        "Service",
+        "ServiceAccount",
+        "Secret",
+        "PersistentVolumeClaim",
+        "PodDisruptionBudget",
+        "HorizontalPodAutoscaler",
+        "ServiceMonitor",
+        "PrometheusRule",
+        "ConfigMap",
+    }
+    assert "ScaledObject" in kinds(render(VARIANTS["everything-with-keda"]))
+
+
+# --- values.schema.json ---------------------------------------------------------------------
+
+BAD_VALUES = {
+    "replicaCount-as-word": {"replicaCount": "two"},
+    "unknown-top-level-key": {"replicas": 2},
+    "misspelled-server-flag": {"server": {"maxNumSeq": 8}},
+    "server-flag-wrong-type": {"server": {"maxNumSeqs": "many"}},
+    "unknown-dtype": {"server": {"dtype": "int8"}},
+    "unknown-model-source": {"model": {"source": "s3"}},
+    "negative-gpu-count": {"gpu": {"count": -1}},
+    "port-out-of-range": {"server": {"port": 70000}},
+    "no-grace-margin": {"shutdown": {"graceMarginSeconds": 0}},
+}
+
+
+@pytest.mark.parametrize("values", BAD_VALUES.values(), ids=BAD_VALUES.keys())
+def test_schema_rejects_bad_values(values: dict[str, Any]) -> None:
+    with helm.Chart.load(CHART) as chart:
+        with pytest.raises(helm.HelmValuesError):
+            chart.validate_schema(values)
+        with pytest.raises(helm.HelmValuesError):
+            chart.render(values, name="demo")
+    assert helm.lint(CHART, values)["errors"]
+
+
+def test_schema_error_names_the_offending_key() -> None:
+    with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmValuesError) as raised:
+        chart.render({"replicaCount": "two"}, name="demo")
+    assert "replicaCount" in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (
+            {"autoscaling": {"enabled": True}, "keda": {"enabled": True, "prometheus": PROMETHEUS}},
+            "mutually exclusive",
+        ),
+        ({"keda": {"enabled": True}}, "serverAddress"),
+        ({"model": {"source": "hostPath"}}, "hostPath.path"),
+        ({"model": {"source": "image", "path": "relative/dir"}}, "absolute"),
+    ],
+)
+def test_template_rejects_contradictory_values(values: dict[str, Any], message: str) -> None:
+    with pytest.raises(helm.HelmRenderError, match=message):
+        render(values)
+
+
+# --- The pod and the server -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("port", [8000, 9123])
+def test_probes_target_the_port_the_server_listens_on(port: int) -> None:
+    manifests = render({"server": {"port": port}})
+    container = server_container(manifests)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert int(env_of(container)["PAGEDSERVE_PORT"]) == port
+    assert list(ports.values()) == [port]
+
+    def resolve(target: int | str) -> int:
+        return ports[target] if isinstance(target, str) else target
+
+    for probe, path in [
+        ("startupProbe", "/ready"),
+        ("readinessProbe", "/ready"),
+        ("livenessProbe", "/health"),
+    ]:
+        http_get = container[probe]["httpGet"]
+        assert http_get["path"] == path, probe
+        assert resolve(http_get["port"]) == port, probe
+    service_ports = the(manifests, "Service")["spec"]["ports"]
+    assert [resolve(p["targetPort"]) for p in service_ports] == [port]
+
+
+def test_startup_probe_allows_slow_model_loading() -> None:
+    startup = server_container(render())["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600
+
+
+GRACE_CASES = {
+    "defaults": {},
+    "long-drain": {"server": {"shutdownTimeout": 300}},
+    "no-prestop-sleep": {"shutdown": {"preStopSleepSeconds": 0}},
+    "slow-load-balancer": {"shutdown": {"preStopSleepSeconds": 45, "graceMarginSeconds": 1}},
+    **{name: values for name, values in VARIANTS.items() if name.startswith("example-")},
+}
+
+
+@pytest.mark.parametrize("values", GRACE_CASES.values(), ids=GRACE_CASES.keys())
+def test_grace_period_outlasts_prestop_sleep_and_drain(values: dict[str, Any]) -> None:
+    deployment = the(render(values), "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    container = server_container([deployment])
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep"
+    sleep, drain = int(command[1]), int(env_of(container)["PAGEDSERVE_SHUTDOWN_TIMEOUT"])
+    assert pod["terminationGracePeriodSeconds"] > sleep + drain
+
+
+# Every values key under `server`, and the variable the server reads it from (flag name
+# without dashes, uppercased, '-' -> '_'), with a sample value and its rendering.
+SERVER_FLAGS = {
+    "port": ("PAGEDSERVE_PORT", 8080, "8080"),
+    "shutdownTimeout": ("PAGEDSERVE_SHUTDOWN_TIMEOUT", 45, "45"),
+    "servedModelName": ("PAGEDSERVE_SERVED_MODEL_NAME", "llama", "llama"),
+    "dtype": ("PAGEDSERVE_DTYPE", "bfloat16", "bfloat16"),
+    "device": ("PAGEDSERVE_DEVICE", "cuda", "cuda"),
+    "attentionBackend": ("PAGEDSERVE_ATTENTION_BACKEND", "flashinfer", "flashinfer"),
+    "blockSize": ("PAGEDSERVE_BLOCK_SIZE", 32, "32"),
+    "maxNumSeqs": ("PAGEDSERVE_MAX_NUM_SEQS", 64, "64"),
+    "maxNumBatchedTokens": ("PAGEDSERVE_MAX_NUM_BATCHED_TOKENS", 4096, "4096"),
+    "maxModelLen": ("PAGEDSERVE_MAX_MODEL_LEN", 8192, "8192"),
+    "numKvBlocks": ("PAGEDSERVE_NUM_KV_BLOCKS", 1000, "1000"),
+    # Helm holds numbers as float64; a large byte count must not come out as 4.294967296e+09.
+    "kvCacheMemory": ("PAGEDSERVE_KV_CACHE_MEMORY", 4294967296, "4294967296"),
+    "gpuMemoryUtilization": ("PAGEDSERVE_GPU_MEMORY_UTILIZATION", 0.85, "0.85"),
+    "enablePrefixCaching": ("PAGEDSERVE_ENABLE_PREFIX_CACHING", False, "false"),
+    "enforceEager": ("PAGEDSERVE_ENFORCE_EAGER", True, "true"),
+    "numThreads": ("PAGEDSERVE_NUM_THREADS", 4, "4"),
+    "stallTimeout": ("PAGEDSERVE_STALL_TIMEOUT", 120, "120"),
+    "maxRequestBytes": ("PAGEDSERVE_MAX_REQUEST_BYTES", "32MiB", "32MiB"),
+    "logRequests": ("PAGEDSERVE_LOG_REQUESTS", False, "false"),
+    "logLevel": ("PAGEDSERVE_LOG_LEVEL", "debug", "debug"),
+    "logFormat": ("PAGEDSERVE_LOG_FORMAT", "text", "text"),
+}
+
+
+def test_every_server_value_is_a_known_flag() -> None:
+    with helm.Chart.load(CHART) as chart:
+        assert set(chart.values["server"]) == set(SERVER_FLAGS)
+
+
+def test_every_server_env_var_is_read_by_the_cli() -> None:
+    """The chart's variables are exactly ones `pagedserve serve` reads (PAGEDSERVE_<DEST>)."""
+    import argparse
+
+    from server.cli import add_serve_arguments, env_name
+
+    serve = argparse.ArgumentParser(add_help=False)
+    add_serve_arguments(serve)
+    known = {env_name(action.dest) for action in serve._actions}
+    assert {name for name, _, _ in SERVER_FLAGS.values()} <= known
+
+
+def test_server_values_become_pagedserve_env_vars() -> None:
+    values = {key: sample for key, (_, sample, _) in SERVER_FLAGS.items()}
+    env = env_of(server_container(render({"server": values})))
+    assert {name: env[name] for name, _, _ in SERVER_FLAGS.values()} == {
+        name: rendered for name, _, rendered in SERVER_FLAGS.values()
+    }
+
+
+def test_unset_server_flags_are_left_to_the_server() -> None:
+    env = env_of(server_container(render({"server": {"servedModelName": "", "maxNumSeqs": None}})))
+    assert "PAGEDSERVE_SERVED_MODEL_NAME" not in env
+    assert "PAGEDSERVE_MAX_NUM_SEQS" not in env
+
+
+def test_api_key_from_a_created_secret() -> None:
+    manifests = render({"apiKey": {"value": "s3cret"}})
+    secret = the(manifests, "Secret")
+    ref = env_of(server_container(manifests))["PAGEDSERVE_API_KEY"]["secretKeyRef"]
+    assert ref["name"] == secret["metadata"]["name"]
+    assert base64.b64decode(secret["data"][ref["key"]]) == b"s3cret"
+
+
+def test_api_key_from_an_existing_secret() -> None:
+    values = {"apiKey": {"existingSecret": "team-keys", "secretKey": "pagedserve", "value": "x"}}
+    manifests = render(values)
+    assert "Secret" not in kinds(manifests)
+    ref = env_of(server_container(manifests))["PAGEDSERVE_API_KEY"]["secretKeyRef"]
+    assert ref == {"name": "team-keys", "key": "pagedserve"}
+
+
+def test_no_api_key_by_default() -> None:
+    manifests = render()
+    assert "Secret" not in kinds(manifests)
+    assert "PAGEDSERVE_API_KEY" not in env_of(server_container(manifests))
+
+
+def model_volume(manifests: list[dict[str, Any]]) -> dict[str, Any] | None:
+    volumes = the(manifests, "Deployment")["spec"]["template"]["spec"]["volumes"]
+    return next((v for v in volumes if v["name"] == "model"), None)
+
+
+def test_model_baked_into_the_image_by_default() -> None:
+    manifests = render()
+    assert "PAGEDSERVE_MODEL" not in env_of(server_container(manifests))
+    assert model_volume(manifests) is None
+    assert "PersistentVolumeClaim" not in kinds(manifests)
+
+
+def test_model_from_a_created_claim() -> None:
+    manifests = render({"model": {"source": "pvc", "path": "Llama-3.1-8B-Instruct"}})
+    claim = the(manifests, "PersistentVolumeClaim")
+    assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    volume = model_volume(manifests)
+    assert volume is not None
+    assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    container = server_container(manifests)
+    assert env_of(container)["PAGEDSERVE_MODEL"] == "/models/Llama-3.1-8B-Instruct"
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "model")
+    assert mount == {"name": "model", "mountPath": "/models", "readOnly": True}
+
+
+def test_model_from_an_existing_claim() -> None:
+    manifests = render({"model": {"source": "pvc", "pvc": {"existingClaim": "weights"}}})
+    assert "PersistentVolumeClaim" not in kinds(manifests)
+    volume = model_volume(manifests)
+    assert volume is not None and volume["persistentVolumeClaim"]["claimName"] == "weights"
+    assert env_of(server_container(manifests))["PAGEDSERVE_MODEL"] == "/models"
+
+
+def test_model_from_a_host_path() -> None:
+    values = {"model": {"source": "hostPath", "path": "qwen", "hostPath": {"path": "/mnt/llm"}}}
+    manifests = render(values)
+    volume = model_volume(manifests)
+    assert volume is not None and volume["hostPath"]["path"] == "/mnt/llm"
+    assert env_of(server_container(manifests))["PAGEDSERVE_MODEL"] == "/models/qwen"
+
+
+def test_gpu_request_adds_the_device_limit_and_the_gpu_image() -> None:
+    container = server_container(render({"gpu": {"count": 2}}))
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert container["resources"]["limits"]["memory"] == "4Gi"  # the other limits stay
+    assert container["image"] == "pagedserve:0.1.0-gpu"
+
+
+def test_cpu_pod_requests_no_gpu() -> None:
+    container = server_container(render())
+    assert "nvidia.com/gpu" not in container["resources"].get("limits", {})
+    assert container["image"] == "pagedserve:0.1.0-cpu"
+
+
+def test_no_service_links_in_the_server_environment() -> None:
+    """A Service named "pagedserve" would otherwise inject PAGEDSERVE_PORT=tcp://..."""
+    pod = the(render(), "Deployment")["spec"]["template"]["spec"]
+    assert pod["enableServiceLinks"] is False
+
+
+def test_pod_runs_unprivileged_on_a_read_only_root() -> None:
+    manifests = render()
+    pod = the(manifests, "Deployment")["spec"]["template"]["spec"]
+    container = server_container(manifests)
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    # What the server must write to is an emptyDir; /dev/shm is memory-backed.
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: volumes[m["name"]] for m in container["volumeMounts"]}
+    assert mounts["/dev/shm"]["emptyDir"]["medium"] == "Memory"
+    assert "emptyDir" in mounts["/tmp"]
+    assert "emptyDir" in mounts["/home/pagedserve/.cache"]
+
+
+# --- Around the pod -------------------------------------------------------------------------
+
+
+Selection = tuple[str, dict[str, str], dict[str, str]]
+
+
+def selected_labels(manifests: list[dict[str, Any]]) -> list[Selection]:
+    """(kind, selector, labels of what it selects) for each selector in a release."""
+    deployment, service = the(manifests, "Deployment"), the(manifests, "Service")
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    return [
+        ("Deployment", deployment["spec"]["selector"]["matchLabels"], pod_labels),
+        ("Service", service["spec"]["selector"], pod_labels),
+        (
+            "PodDisruptionBudget",
+            the(manifests, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"],
+            pod_labels,
+        ),
+        (
+            "ServiceMonitor",
+            the(manifests, "ServiceMonitor")["spec"]["selector"]["matchLabels"],
+            service["metadata"]["labels"],
+        ),
+    ]
+
+
+def test_two_releases_in_one_namespace_share_no_selector_or_name() -> None:
+    values = VARIANTS["everything-with-keda"]
+    alpha, beta = render(values, release="alpha"), render(values, release="beta")
+    for own, other in [(alpha, beta), (beta, alpha)]:
+        for (kind, selector, own_labels), (_, _, other_labels) in zip(
+            selected_labels(own), selected_labels(other), strict=True
+        ):
+            assert matches(selector, own_labels), kind
+            assert not matches(selector, other_labels), kind
+    alpha_names = {(m["kind"], m["metadata"]["name"]) for m in alpha}
+    beta_names = {(m["kind"], m["metadata"]["name"]) for m in beta}
+    assert alpha_names.isdisjoint(beta_names)
+
+
+def test_helm_test_pod_is_not_behind_the_service() -> None:
+    manifests = render()
+    test_pod = the(manifests, "Pod")
+    assert test_pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    service_selector = the(manifests, "Service")["spec"]["selector"]
+    assert not matches(service_selector, test_pod["metadata"]["labels"])
+
+
+class _ModelsStub(http.server.BaseHTTPRequestHandler):
+    """Answers /v1/models with `models`; records the Authorization header it got."""
+
+    models: ClassVar[list[str]] = []
+    authorization: ClassVar[list[str | None]] = []
+
+    def do_GET(self) -> None:
+        self.authorization.append(self.headers.get("Authorization"))
+        body = json.dumps({"object": "list", "data": [{"id": m} for m in self.models]})
+        self.send_response(200 if self.path == "/v1/models" else 404)
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("models", "passes"), [(["smol"], True), ([], False)])
+def test_helm_test_pod_checks_the_model_list(models: list[str], passes: bool) -> None:
+    """The `helm test` pod's script, run here against a stand-in server."""
+    container = the(render({"apiKey": {"value": "k"}}), "Pod")["spec"]["containers"][0]
+    assert container["command"][:2] == ["python", "-c"]
+    handler = type("Handler", (_ModelsStub,), {"models": models, "authorization": []})
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        env = {
+            "MODELS_URL": f"http://127.0.0.1:{server.server_address[1]}/v1/models",
+            "API_KEY": "k",
+        }
+        try:
+            result = subprocess.run(
+                [sys.executable, "-c", container["command"][2]], env=env, timeout=30
+            )
+        finally:
+            server.shutdown()
+    assert (result.returncode == 0) == passes
+    assert handler.authorization == ["Bearer k"]
+    assert {e["name"] for e in container["env"]} == {"MODELS_URL", "API_KEY"}
+
+
+def test_autoscaler_owns_the_replica_count() -> None:
+    manifests = render({"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 6}})
+    deployment, hpa = the(manifests, "Deployment"), the(manifests, "HorizontalPodAutoscaler")
+    assert "replicas" not in deployment["spec"]
+    assert hpa["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 6)
+    assert the(render({"replicaCount": 3}), "Deployment")["spec"]["replicas"] == 3
+
+
+def test_keda_scales_on_waiting_requests_of_this_release() -> None:
+    manifests = render({"keda": {"enabled": True, "prometheus": PROMETHEUS}}, release="alpha")
+    deployment, scaled = the(manifests, "Deployment"), the(manifests, "ScaledObject")
+    assert "replicas" not in deployment["spec"]
+    assert scaled["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
+    (trigger,) = scaled["spec"]["triggers"]
+    assert trigger["type"] == "prometheus"
+    assert trigger["metadata"]["serverAddress"] == PROMETHEUS["serverAddress"]
+    query = trigger["metadata"]["query"]
+    assert "vllm:num_requests_waiting" in query
+    assert f'service="{the(manifests, "Service")["metadata"]["name"]}"' in query
+    assert 'namespace="llm"' in query
+
+
+def test_pod_disruption_budget_never_blocks_a_single_replica() -> None:
+    budget = the(render(), "PodDisruptionBudget")["spec"]
+    assert budget == {"maxUnavailable": 1, "selector": budget["selector"]}
+
+
+def test_dashboard_and_rules_come_from_deploy() -> None:
+    manifests = render({"grafanaDashboard": {"enabled": True}, "prometheusRule": {"enabled": True}})
+    dashboard = the(manifests, "ConfigMap")
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard_json = LINKED_FILES["files/grafana/pagedserve.json"].read_text()
+    assert json.loads(dashboard["data"]["pagedserve.json"]) == json.loads(dashboard_json)
+    rules_file = LINKED_FILES["files/prometheus/alerts.yaml"]
+    rules = the(manifests, "PrometheusRule")["spec"]["groups"]
+    assert rules == yaml.safe_load(rules_file.read_text())["groups"]
+
+
+@pytest.mark.parametrize("link", LINKED_FILES)
+def test_chart_links_to_the_deploy_artifacts(link: str) -> None:
+    path = CHART / link
+    assert path.is_symlink(), f"{link} must be a symlink, not a copy"
+    assert path.resolve() == LINKED_FILES[link].resolve()
+
+
+def test_packaged_chart_carries_the_linked_content(tmp_path: Path) -> None:
+    """`helm package` stores what the links point to, so a chart archive stands alone."""
+    archive = helm.package(CHART, destination=tmp_path)
+    with helm.Chart.load(archive) as packaged:
+        files = {f["name"]: f["data"] for f in packaged.files}
+        values = VARIANTS["everything-with-keda"]
+        from_archive = packaged.render(values, name="demo", namespace="llm")
+    for link, source in LINKED_FILES.items():
+        assert files[link] == source.read_text()
+    with helm.Chart.load(CHART) as chart:
+        assert from_archive == chart.render(values, name="demo", namespace="llm")
+
+
+def test_notes_explain_how_to_reach_the_server() -> None:
+    with helm.Chart.load(CHART) as chart:
+        notes = chart.render({}, name="demo", namespace="llm")["pagedserve/templates/NOTES.txt"]
+    assert "port-forward service/demo-pagedserve 8000:8000" in notes
+    assert "/v1/chat/completions" in notes
