@@ -45,6 +45,7 @@ def run_pagedserve(args: argparse.Namespace, prompts: list[list[int]]) -> dict[s
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
+        attention_backend=args.attention_backend,
         profile=True,
     )
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
@@ -114,6 +115,7 @@ def main() -> None:
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--attention-backend", default="auto", help="auto, torch or cpu-native")
     parser.add_argument("--json", type=Path, default=None, help="also write results here")
     args = parser.parse_args()
 

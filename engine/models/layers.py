@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models import native_ops
+
 
 class Linear(nn.Module):
     """y = x W^T (+ b). Parameters start uninitialised: the loader always fills them."""
@@ -31,10 +33,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return native_ops.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual). May reuse (mutate) x and residual."""
+        return native_ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
@@ -68,10 +73,3 @@ class RotaryEmbedding(nn.Module):
         freqs = positions[:, None].float() * self.inv_freq.float()  # (T, head_dim / 2)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (num_tokens, num_heads, head_dim), rotate-half layout."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin

@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionBackend
+from engine.models import native_ops
 from engine.models.arch import ModelArch
-from engine.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope
+from engine.models.layers import Linear, RMSNorm, RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -39,7 +40,7 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        native_ops.apply_rope_(q, k, cos, sin)  # in place, in the qkv buffer
         out = attn.forward(self.layer_idx, q, k, v)  # (T, num_heads, head_dim)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -52,8 +53,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(arch.intermediate_size, arch.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(native_ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -65,10 +65,22 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(arch)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is carried unsummed: returns (this layer's MLP output, the
+        residual before it); the next norm adds them, which fuses the add into the norm."""
+        if residual is None:  # the first layer: x is the embeddings
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, cos, sin, attn)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -95,9 +107,12 @@ class DecoderModel(nn.Module):
         """input_ids, positions: (num_tokens,). Returns (num_tokens, hidden_size)."""
         x = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary(positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, attn)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, attn)
+        if residual is None:  # no layers
+            return self.norm(x)
+        return self.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(n, hidden_size) -> (n, vocab_size) float32 logits."""

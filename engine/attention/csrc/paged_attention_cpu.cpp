@@ -1,0 +1,251 @@
+// Batched varlen paged attention on the CPU, with FlashInfer's paged-prefill semantics.
+//
+// Request r owns query rows qo_indptr[r]..qo_indptr[r+1] of the flat batch and the pages
+// kv_indices[kv_indptr[r]..kv_indptr[r+1]] of an NHD cache (blocks, block_size, kv_heads,
+// head_dim). Its KV length is (pages - 1) * block_size + kv_last_page_len[r], and query i
+// of its q_len rows sits at position kv_len - q_len + i and sees keys 0..kv_len - q_len + i.
+//
+// Work is split into items (request, kv_head, tile of query rows). An item loads each
+// key/value row once, for all `group` query heads of its KV head and all rows of its tile,
+// and streams over the keys 16 at a time with an online softmax in float32:
+//
+//   for each chunk of 16 keys:   s = q.K^T * scale            (M, 16)   M = rows * group
+//                                m' = max(m, rowmax(s)); p = exp(s - m'); alpha = exp(m - m')
+//                                l = l * alpha + rowsum(p);  acc = acc * alpha + p.V
+//   out = acc / l
+//
+// Two item kernels share the planning and the threading: attention_avx512.h (compiled when
+// the compiler targets AVX-512; bf16 uses AVX512_BF16 dot products where present) and
+// attention_portable.h (generic vectors, for every other CPU and for head sizes the
+// AVX-512 path is not instantiated for).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "attention_common.h"
+#include "attention_portable.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define PAGEDSERVE_AVX512 1
+#include "attention_avx512.h"
+#endif
+
+namespace pagedserve {
+namespace {
+
+constexpr int64_t kTileQueries = 48;  // query vectors (rows * group) per work item
+
+// ---------------------------------------------------------------------------------------
+// Kernel selection.
+
+using ItemFn = void (*)(const void*, const WorkItem&, Scratch&);
+
+#ifdef PAGEDSERVE_AVX512
+template <typename T, int DV>
+void avx512_item_erased(const void* pb, const WorkItem& it, Scratch& s) {
+  avx512::attention_item<T, DV>(*static_cast<const Problem<T>*>(pb), it, s);
+}
+
+// The head sizes the AVX-512 path is instantiated for; others use the portable path.
+template <typename T>
+ItemFn avx512_kernel_for(int64_t head_dim) {
+  switch (head_dim) {
+    case 16: return &avx512_item_erased<T, 1>;
+    case 32: return &avx512_item_erased<T, 2>;
+    case 64: return &avx512_item_erased<T, 4>;
+    case 80: return &avx512_item_erased<T, 5>;
+    case 96: return &avx512_item_erased<T, 6>;
+    case 128: return &avx512_item_erased<T, 8>;
+    case 256: return &avx512_item_erased<T, 16>;
+    default: return nullptr;
+  }
+}
+#else
+template <typename T>
+ItemFn avx512_kernel_for(int64_t) {
+  return nullptr;
+}
+#endif  // PAGEDSERVE_AVX512
+
+template <typename T>
+void portable_item_erased(const void* pb, const WorkItem& it, Scratch& s) {
+  portable::attention_item<T>(*static_cast<const Problem<T>*>(pb), it, s);
+}
+
+// ---------------------------------------------------------------------------------------
+// Planning and threading.
+
+// Query rows per item: enough query vectors to amortise each K/V row load, few enough that
+// one long prefill splits into many items for the threads to share.
+int64_t rows_per_tile(int64_t group) { return std::max<int64_t>(1, kTileQueries / group); }
+
+template <typename T>
+std::vector<WorkItem> plan_items(const Problem<T>& pb, int64_t num_reqs) {
+  std::vector<WorkItem> items;
+  const int64_t rows = rows_per_tile(pb.group);
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    const int64_t q_len = pb.qo_indptr[r + 1] - pb.qo_indptr[r];
+    const int64_t computed = span_of(pb, r).computed;
+    for (int64_t i0 = 0; i0 < q_len; i0 += rows) {
+      const int64_t i1 = std::min(q_len, i0 + rows);
+      // Key rows visited times query vectors, plus a fixed cost per item.
+      const int64_t cost = (i1 - i0) * pb.group * (computed + i1) + 256;
+      for (int64_t h = 0; h < pb.num_kv_heads; ++h) {
+        items.push_back({static_cast<int32_t>(r), static_cast<int32_t>(h),
+                         static_cast<int32_t>(i0), static_cast<int32_t>(i1), cost});
+      }
+    }
+  }
+  // Longest first, then handed out dynamically: balanced without knowing the thread count.
+  std::stable_sort(items.begin(), items.end(),
+                   [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+  return items;
+}
+
+template <typename T>
+void run(const Problem<T>& pb, int64_t num_reqs, bool portable) {
+  const std::vector<WorkItem> items = plan_items(pb, num_reqs);
+  if (items.empty()) return;
+  ItemFn fn = portable ? nullptr : avx512_kernel_for<T>(pb.head_dim);
+  if (fn == nullptr) fn = &portable_item_erased<T>;
+  const int64_t max_queries = rows_per_tile(pb.group) * pb.group;
+  const int64_t num_workers =
+      std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
+  std::atomic<int64_t> next{0};
+  // One task per thread; each pulls items until none are left (at::parallel_for hands out
+  // static ranges, which would leave a thread idle behind a long prefill).
+  at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch(max_queries, pb.head_dim);
+    for (int64_t w = begin; w < end; ++w) {
+      for (int64_t idx = next.fetch_add(1); idx < static_cast<int64_t>(items.size());
+           idx = next.fetch_add(1)) {
+        fn(&pb, items[idx], scratch);
+      }
+    }
+  });
+}
+
+void check_metadata(const at::Tensor& qo_indptr, const at::Tensor& kv_indptr,
+                    const at::Tensor& kv_indices, const at::Tensor& kv_last_page_len,
+                    int64_t num_tokens, int64_t num_blocks, int64_t block_size) {
+  for (const at::Tensor* t : {&qo_indptr, &kv_indptr, &kv_indices, &kv_last_page_len}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kInt && t->is_contiguous() &&
+                    t->dim() == 1,
+                "paged_attention: index tensors must be contiguous 1-D int32 CPU tensors");
+  }
+  const int64_t num_reqs = kv_last_page_len.size(0);
+  TORCH_CHECK(qo_indptr.size(0) == num_reqs + 1 && kv_indptr.size(0) == num_reqs + 1,
+              "paged_attention: qo_indptr and kv_indptr need num_reqs + 1 entries");
+  const int32_t* qo = qo_indptr.data_ptr<int32_t>();
+  const int32_t* kv = kv_indptr.data_ptr<int32_t>();
+  const int32_t* last = kv_last_page_len.data_ptr<int32_t>();
+  TORCH_CHECK(qo[0] == 0 && kv[0] == 0, "paged_attention: indptr arrays must start at 0");
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    const int64_t q_len = qo[r + 1] - qo[r], pages = kv[r + 1] - kv[r];
+    TORCH_CHECK(q_len >= 0 && pages >= 0, "paged_attention: indptr arrays must not decrease");
+    if (q_len == 0) continue;
+    TORCH_CHECK(pages > 0 && last[r] >= 1 && last[r] <= block_size,
+                "paged_attention: request ", r, " has queries but no valid last page");
+    TORCH_CHECK((pages - 1) * block_size + last[r] >= q_len,
+                "paged_attention: request ", r, " has more queries than keys");
+  }
+  TORCH_CHECK(qo[num_reqs] <= num_tokens, "paged_attention: qo_indptr exceeds the query rows");
+  TORCH_CHECK(kv[num_reqs] <= kv_indices.size(0), "paged_attention: kv_indptr exceeds kv_indices");
+  const int32_t* idx = kv_indices.data_ptr<int32_t>();
+  for (int64_t p = 0; p < kv[num_reqs]; ++p) {
+    TORCH_CHECK(idx[p] >= 0 && idx[p] < num_blocks, "paged_attention: page id ", idx[p],
+                " is outside the cache's ", num_blocks, " blocks");
+  }
+}
+
+void paged_attention_impl(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache, const at::Tensor& qo_indptr,
+                          const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
+                          const at::Tensor& kv_last_page_len, double scale, bool portable) {
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(),
+              "paged_attention: q and out must be (T, H, D)");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_attention: caches must be contiguous ",
+              "(blocks, block_size, kv_heads, head_dim)");
+  TORCH_CHECK(q.scalar_type() == out.scalar_type() && q.scalar_type() == k_cache.scalar_type() &&
+                  q.scalar_type() == v_cache.scalar_type(),
+              "paged_attention: q, out and the caches must share one dtype");
+  TORCH_CHECK(q.device().is_cpu() && out.device().is_cpu() && k_cache.device().is_cpu() &&
+                  v_cache.device().is_cpu(),
+              "paged_attention: this kernel runs on CPU tensors");
+  const int64_t H = q.size(1), D = q.size(2), Hkv = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && Hkv > 0 && H % Hkv == 0,
+              "paged_attention: head_dim mismatch, or num_heads not a multiple of num_kv_heads");
+  for (const at::Tensor* t : {&q, &out}) {
+    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == D,
+                "paged_attention: each token's (H, D) rows of q and out must be contiguous");
+  }
+  check_metadata(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, q.size(0), k_cache.size(0),
+                 k_cache.size(1));
+  auto launch = [&](auto tag) {
+    using T = decltype(tag);
+    const Problem<T> pb{q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+                        out.data_ptr<T>(), q.stride(0), out.stride(0),
+                        qo_indptr.data_ptr<int32_t>(), kv_indptr.data_ptr<int32_t>(),
+                        kv_indices.data_ptr<int32_t>(), kv_last_page_len.data_ptr<int32_t>(),
+                        Hkv, D, k_cache.size(1), H / Hkv, static_cast<float>(scale)};
+    run(pb, kv_last_page_len.size(0), portable);
+  };
+  dispatch_dtype(q.scalar_type(), "paged_attention", launch);
+}
+
+void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const at::Tensor& qo_indptr,
+                     const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
+                     const at::Tensor& kv_last_page_len, double scale) {
+  paged_attention_impl(out, q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices,
+                       kv_last_page_len, scale, /*portable=*/false);
+}
+
+void paged_attention_portable(const at::Tensor& out, const at::Tensor& q,
+                              const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const at::Tensor& qo_indptr, const at::Tensor& kv_indptr,
+                              const at::Tensor& kv_indices, const at::Tensor& kv_last_page_len,
+                              double scale) {
+  paged_attention_impl(out, q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices,
+                       kv_last_page_len, scale, /*portable=*/true);
+}
+
+std::string cpu_isa() {
+#if defined(PAGEDSERVE_AVX512) && defined(__AVX512BF16__)
+  return "avx512+bf16";
+#elif defined(PAGEDSERVE_AVX512)
+  return "avx512";
+#else
+  return "portable";
+#endif
+}
+
+}  // namespace
+}  // namespace pagedserve
+
+TORCH_LIBRARY(pagedserve, m) {
+  m.def(
+      "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
+      "Tensor qo_indptr, Tensor kv_indptr, Tensor kv_indices, Tensor kv_last_page_len, "
+      "float scale) -> ()");
+  m.def(
+      "paged_attention_portable(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
+      "Tensor qo_indptr, Tensor kv_indptr, Tensor kv_indices, Tensor kv_last_page_len, "
+      "float scale) -> ()");
+  m.def("cpu_isa() -> str", &pagedserve::cpu_isa);
+}
+
+TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
+  m.impl("paged_attention", &pagedserve::paged_attention);
+  m.impl("paged_attention_portable", &pagedserve::paged_attention_portable);
+}

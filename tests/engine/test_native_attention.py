@@ -1,0 +1,221 @@
+"""The native CPU paged-attention kernel against dense attention and the torch backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine.attention import create_backend, resolve_backend_name
+from engine.attention.backend import allocate_kv_cache
+from engine.attention.metadata import AttentionMetadata, build_attention_metadata
+from engine.attention.native_backend import NativeCpuAttentionBackend, native_kernels_available
+from engine.attention.torch_backend import TorchAttentionBackend
+from tests.engine.test_attention import CASES, dense_reference
+
+# (computed, new) per request; "chunked" continues prompts that already have history.
+NATIVE_CASES = CASES | {
+    "chunked": [(37, 25), (64, 64), (5, 50), (0, 100)],
+    "long": [(0, 300), (250, 1), (120, 1)],
+}
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+LAYER = 1
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _native_kernels() -> None:
+    if not native_kernels_available():
+        pytest.skip("native CPU kernels unavailable (no C++ compiler or ninja, or build failed)")
+
+
+@dataclass
+class PagedCase:
+    requests: list[tuple[int, int]]
+    kv_cache: torch.Tensor  # (layers, 2, blocks, block_size, kv_heads, head_dim)
+    metadata: AttentionMetadata
+    q: torch.Tensor  # (num_tokens, heads, head_dim)
+    k: torch.Tensor  # (num_tokens, kv_heads, head_dim): this step's keys
+    v: torch.Tensor
+    histories: list[torch.Tensor]  # per request (computed + new, 2, kv_heads, head_dim)
+
+
+def make_case(
+    requests: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+) -> PagedCase:
+    """Random unit-variance K/V history already in the cache on scattered blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    pages = [-(-(c + n) // block_size) for c, n in requests]
+    num_blocks = sum(pages) + 3
+    kv_cache = allocate_kv_cache(2, num_blocks, block_size, num_kv_heads, head_dim, dtype, "cpu")
+    free_blocks = [int(b) for b in rng.permutation(num_blocks)]
+    tables = [[free_blocks.pop() for _ in range(p)] for p in pages]
+    histories = [
+        torch.randn(c + n, 2, num_kv_heads, head_dim, generator=gen).to(dtype) for c, n in requests
+    ]
+    flat = kv_cache[LAYER].view(2, -1, num_kv_heads, head_dim)
+    for (computed, _), table, hist in zip(requests, tables, histories, strict=True):
+        pos = torch.arange(computed)
+        slots = torch.tensor(table, dtype=torch.long)[pos // block_size] * block_size
+        flat[:, slots + pos % block_size] = hist[:computed].transpose(0, 1)
+    md = build_attention_metadata(
+        [c for c, _ in requests], [n for _, n in requests], tables, block_size
+    )
+    q = torch.randn(md.num_tokens, num_heads, head_dim, generator=gen).to(dtype)
+    k = torch.cat([h[c:, 0] for (c, _), h in zip(requests, histories, strict=True)])
+    v = torch.cat([h[c:, 1] for (c, _), h in zip(requests, histories, strict=True)])
+    return PagedCase(requests, kv_cache, md, q, k, v, histories)
+
+
+def max_diff_to_dense(case: PagedCase, out: torch.Tensor) -> float:
+    scale = case.q.shape[-1] ** -0.5
+    max_diff, start = 0.0, 0
+    for (computed, new), hist in zip(case.requests, case.histories, strict=True):
+        ref = dense_reference(case.q[start : start + new], hist[:, 0], hist[:, 1], computed, scale)
+        diff = (out[start : start + new].double() - ref).abs().max().item()
+        max_diff, start = max(max_diff, diff), start + new
+    return max_diff
+
+
+def run_native(case: PagedCase) -> torch.Tensor:
+    backend = NativeCpuAttentionBackend(case.kv_cache, case.q.shape[1], case.q.shape[-1] ** -0.5)
+    backend.plan(case.metadata)
+    return backend.forward(LAYER, case.q, case.k, case.v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("case", sorted(NATIVE_CASES))
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(9, 3), (8, 2), (4, 4)])
+def test_native_matches_dense_attention(
+    dtype: torch.dtype, block_size: int, case: str, num_heads: int, num_kv_heads: int
+) -> None:
+    pc = make_case(NATIVE_CASES[case], num_heads, num_kv_heads, 64, block_size, dtype)
+    out = run_native(pc)
+    max_diff = max_diff_to_dense(pc, out)
+    print(f"{case} {dtype} bs={block_size} heads={num_heads}/{num_kv_heads}: {max_diff:.2e}")
+    assert out.dtype == dtype
+    assert max_diff < TOLERANCE[dtype]
+
+
+# 48 has no AVX-512 instantiation and takes the portable path inside the same entry point.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("head_dim", [16, 32, 48, 80, 96, 128, 256])
+def test_native_head_sizes_and_dtypes(dtype: torch.dtype, head_dim: int) -> None:
+    pc = make_case(NATIVE_CASES["chunked"] + CASES["mixed"], 6, 2, head_dim, 16, dtype, seed=1)
+    max_diff = max_diff_to_dense(pc, run_native(pc))
+    print(f"head_dim={head_dim} {dtype}: {max_diff:.2e}")
+    assert max_diff < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 48])
+def test_portable_kernel_matches_dense_attention(dtype: torch.dtype, head_dim: int) -> None:
+    """The plain C++ path that non-AVX-512 CPUs run, forced on this machine."""
+    pc = make_case(NATIVE_CASES["chunked"] + CASES["mixed"], 9, 3, head_dim, 16, dtype, seed=2)
+    backend = NativeCpuAttentionBackend(pc.kv_cache, 9, head_dim**-0.5)
+    backend.plan(pc.metadata)
+    backend.forward(LAYER, pc.q, pc.k, pc.v)  # writes this step's K/V into the cache
+    md = pc.metadata
+    out = torch.empty_like(pc.q)
+    k_cache, v_cache = pc.kv_cache[LAYER]
+    torch.ops.pagedserve.paged_attention_portable(
+        out, pc.q, k_cache, v_cache, md.qo_indptr, md.kv_indptr, md.kv_indices,
+        md.kv_last_page_len, head_dim**-0.5,
+    )  # fmt: skip
+    max_diff = max_diff_to_dense(pc, out)
+    print(f"portable head_dim={head_dim} {dtype}: {max_diff:.2e}")
+    assert max_diff < TOLERANCE[dtype]
+
+
+def test_native_matches_torch_backend_and_writes_the_same_cache() -> None:
+    requests = CASES["mixed"] + NATIVE_CASES["chunked"]
+    native_case = make_case(requests, 9, 3, 64, 16, torch.float32, seed=3)
+    torch_case = make_case(requests, 9, 3, 64, 16, torch.float32, seed=3)
+    out = run_native(native_case)
+    reference = TorchAttentionBackend(torch_case.kv_cache, 9, 64**-0.5)
+    reference.plan(torch_case.metadata)
+    expected = reference.forward(LAYER, torch_case.q, torch_case.k, torch_case.v)
+    max_diff = (out - expected).abs().max().item()
+    print(f"native vs torch backend: {max_diff:.2e}")
+    assert max_diff < 1e-5
+    assert torch.equal(native_case.kv_cache, torch_case.kv_cache)
+
+
+def test_non_contiguous_queries_are_accepted() -> None:
+    pc = make_case(CASES["mixed"], 4, 2, 32, 16, torch.float32, seed=4)
+    qkv = torch.cat([pc.q.flatten(1), torch.zeros(pc.q.shape[0], 7)], dim=1)
+    q = qkv[:, : pc.q[0].numel()].view_as(pc.q)  # token stride 4 * 32 + 7
+    backend = NativeCpuAttentionBackend(pc.kv_cache, 4, 32**-0.5)
+    backend.plan(pc.metadata)
+    assert max_diff_to_dense(pc, backend.forward(LAYER, q, pc.k, pc.v)) < 1e-5
+
+
+def test_kernel_rejects_page_ids_outside_the_cache() -> None:
+    pc = make_case(CASES["decode"], 4, 2, 32, 16, torch.float32)
+    md = pc.metadata
+    bad_indices = md.kv_indices.clone()
+    bad_indices[0] = pc.kv_cache.shape[2]
+    k_cache, v_cache = pc.kv_cache[LAYER]
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.pagedserve.paged_attention(
+            torch.empty_like(pc.q), pc.q, k_cache, v_cache, md.qo_indptr, md.kv_indptr,
+            bad_indices, md.kv_last_page_len, 1.0,
+        )  # fmt: skip
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux /proc")
+def test_kernels_share_torchs_openmp_runtime() -> None:
+    """A second OpenMP runtime would bring its own threads, deaf to torch.set_num_threads."""
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    paths = {Path(line.split()[-1]) for line in maps}
+    runtimes = {p for p in paths if p.name.startswith(("libgomp", "libomp", "libiomp"))}
+    assert len(runtimes) <= 1, runtimes
+
+
+def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
+    import engine.attention as attention
+
+    assert resolve_backend_name("auto", "cpu") == "cpu-native"
+    assert resolve_backend_name("torch", "cpu") == "torch"
+    kv_cache = allocate_kv_cache(1, 4, 16, 2, 32, torch.float32, "cpu")
+    assert create_backend("auto", kv_cache, 4, 1.0).name == "cpu-native"
+    assert create_backend("torch", kv_cache, 4, 1.0).name == "torch"
+    with pytest.raises(ValueError, match="only on the CPU"):
+        resolve_backend_name("cpu-native", "cuda")
+    monkeypatch.setattr(attention, "native_kernels_available", lambda: False)
+    assert resolve_backend_name("auto", "cpu") == "torch"
+    with pytest.raises(ValueError, match="cpu-native"):
+        resolve_backend_name("cpu-native", "cpu")
+
+
+def test_greedy_tokens_match_the_torch_backend(tmp_path: Path) -> None:
+    from engine import LLM, SamplingParams
+    from tests.tiny_models import make_tiny_model
+
+    model = make_tiny_model("llama", tmp_path / "llama")
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 256, size=n).tolist() for n in (5, 23, 40, 1, 17, 64)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    tokens = {}
+    for backend in ("torch", "cpu-native"):
+        llm = LLM(
+            str(model),
+            dtype="float32",
+            device="cpu",
+            attention_backend=backend,
+            max_num_batched_tokens=16,
+            num_kv_blocks=64,
+        )
+        assert llm.config.attention_backend == backend
+        tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert tokens["cpu-native"] == tokens["torch"]

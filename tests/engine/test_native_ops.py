@@ -1,0 +1,97 @@
+"""Fused CPU elementwise kernels against the torch code they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.attention.native_backend import native_kernels_available
+from engine.models import native_ops
+from engine.models.layers import RotaryEmbedding
+from engine.models.native_ops import rope_reference
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _native_kernels() -> None:
+    if not native_kernels_available():
+        pytest.skip("native CPU kernels unavailable (no C++ compiler or ninja, or build failed)")
+
+
+def max_ulps(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest |a - b| / (eps * |b|): about the difference in units in the last place."""
+    spacing = torch.finfo(b.dtype).eps * b.float().abs().clamp_min(torch.finfo(b.dtype).tiny)
+    return ((a.float() - b.float()).abs() / spacing).max().item()
+
+
+def check(name: str, out: torch.Tensor, ref: torch.Tensor, ulps: float) -> None:
+    diff, err = (out.float() - ref.float()).abs().max().item(), max_ulps(out, ref)
+    print(f"{name} {ref.dtype}: max abs diff {diff:.2e}, {err:.2f} ulps")
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert err <= ulps
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hidden", [576, 72])  # 72: not a multiple of 16, exercises the tails
+def test_rms_norm(dtype: torch.dtype, hidden: int) -> None:
+    torch.manual_seed(0)
+    x = (torch.randn(37, hidden) * 3).to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden)).to(dtype)
+    out = native_ops.rms_norm(x, weight, 1e-5)
+    # Only the float32 mean's summation order differs: a last-bit change in float32.
+    check("rms_norm", out, native_ops.rms_norm_reference(x, weight, 1e-5), ulps=4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_add_rms_norm(dtype: torch.dtype) -> None:
+    torch.manual_seed(1)
+    x, residual = torch.randn(2, 19, 80).to(dtype).unbind(0)
+    weight = torch.randn(80).to(dtype)
+    summed = x + residual
+    ref = native_ops.rms_norm_reference(summed, weight, 1e-6)
+    out, new_residual = native_ops.add_rms_norm(x.clone(), residual.clone(), weight, 1e-6)
+    assert torch.equal(new_residual, summed)
+    check("add_rms_norm", out, ref, ulps=4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_rope_in_place_on_fused_qkv_views(dtype: torch.dtype, head_dim: int) -> None:
+    torch.manual_seed(2)
+    tokens, heads, kv_heads = 23, 9, 3
+    positions = torch.randint(0, 2000, (tokens,))
+    cos, sin = RotaryEmbedding(head_dim, 10000.0, {})(positions, dtype)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
+    q_ref, k_ref = rope_reference(q, cos, sin), rope_reference(k, cos, sin)
+    v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
+    native_ops.apply_rope_(q, k, cos, sin)
+    # Every rounding of the torch expression is reproduced: bit-identical.
+    check("rope q", q, q_ref, ulps=0)
+    check("rope k", k, k_ref, ulps=0)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("intermediate", [1536, 100])
+def test_silu_and_mul(dtype: torch.dtype, intermediate: int) -> None:
+    torch.manual_seed(3)
+    gate_up = (torch.randn(29, 2 * intermediate) * 4).to(dtype)
+    gate, up = gate_up.split(intermediate, dim=-1)
+    # exp's last float32 bit differs from torch's, which can move a bf16 rounding by 1 ulp.
+    check("silu_and_mul", native_ops.silu_and_mul(gate_up), F.silu(gate) * up, ulps=4)
+
+
+def test_other_dtypes_fall_back_to_torch() -> None:
+    x = torch.randn(4, 32, dtype=torch.float64)
+    weight = torch.ones(32, dtype=torch.float64)
+    ref = native_ops.rms_norm_reference(x, weight, 1e-6)
+    assert torch.equal(native_ops.rms_norm(x, weight, 1e-6), ref)
+    q, k = torch.randn(2, 4, 3, 32, dtype=torch.float64).unbind(0)
+    cos, sin = RotaryEmbedding(32, 10000.0, {})(torch.arange(4), torch.float64)
+    q_ref, k_ref = rope_reference(q, cos, sin), rope_reference(k, cos, sin)
+    native_ops.apply_rope_(q, k, cos, sin)
+    assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
