@@ -74,13 +74,16 @@ def run_hf(
     from transformers import AutoModelForCausalLM
 
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype[args.dtype]).eval()
+    # The engine's own device: CUDA when present, else the CPU.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype[args.dtype])
+    model = model.to(device).eval()
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
 
     def batch_generate(batch: list[list[int]], new_tokens: int) -> int:
         width = max(len(p) for p in batch)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
         with torch.inference_mode():
             out = model.generate(
                 input_ids=ids,

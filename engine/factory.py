@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,8 @@ from engine.attention import resolve_backend_name
 from engine.attention.backend import kv_cache_bytes_per_block
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core import EngineCore
+from engine.cuda_graphs import CudaGraphConfig, capture_sizes
+from engine.gpu_memory import MemoryProfile, profile_gpu_memory
 from engine.kv_cache import KVCacheManager, cdiv
 from engine.model_runner import ModelRunner
 from engine.models.arch import ModelArch
@@ -64,6 +67,8 @@ class EngineConfig:
     scheduler: SchedulerConfig
     attention_backend: str
     num_threads: int
+    # Batch sizes of the captured decode graphs; empty when steps run eagerly.
+    cuda_graph_sizes: tuple[int, ...] = ()
 
 
 @dataclass
@@ -131,7 +136,7 @@ def create_engine(args: EngineArgs) -> Engine:
     num_threads = args.num_threads or available_cpus()
     if device.type == "cpu":
         torch.set_num_threads(num_threads)
-    backend = resolve_backend_name(args.attention_backend, device)
+    backend = resolve_backend_name(args.attention_backend, device, dtype)
     model, arch = load_model(folder / gguf_file if gguf_file else folder, dtype, device)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
 
@@ -142,16 +147,45 @@ def create_engine(args: EngineArgs) -> Engine:
         or (512 if device.type == "cpu" else 8192),
         max_model_len=max_model_len,
     )
+    cuda_graphs = _cuda_graph_config(args, device, backend, max_model_len)
+
+    def profile() -> MemoryProfile:
+        return profile_gpu_memory(
+            model,
+            backend,
+            scheduler_config.max_num_batched_tokens,
+            scheduler_config.max_num_seqs,
+            max_model_len,
+            args.block_size,
+        )
+
     cache_config = CacheConfig(
         block_size=args.block_size,
-        num_blocks=_num_kv_blocks(args, arch, dtype, device, max_model_len),
+        num_blocks=_num_kv_blocks(
+            args,
+            arch,
+            dtype,
+            max_model_len,
+            reserved_blocks=0 if cuda_graphs is None else 1,
+            gpu_profile=profile if device.type == "cuda" else None,
+        ),
         enable_prefix_caching=args.enable_prefix_caching,
     )
     config = EngineConfig(
-        folder, gguf_file, device, dtype, arch, cache_config, scheduler_config, backend, num_threads
+        folder,
+        gguf_file,
+        device,
+        dtype,
+        arch,
+        cache_config,
+        scheduler_config,
+        backend,
+        num_threads,
+        cuda_graphs.sizes if cuda_graphs else (),
     )
     logger.info(
-        "engine: %s on %s in %s, %d KV blocks of %d tokens, max_model_len %d, backend %s",
+        "engine: %s on %s in %s, %d KV blocks of %d tokens, max_model_len %d, backend %s, "
+        "CUDA graphs for decode batches of %s",
         folder.name,
         device,
         dtype,
@@ -159,12 +193,13 @@ def create_engine(args: EngineArgs) -> Engine:
         cache_config.block_size,
         max_model_len,
         backend,
+        list(config.cuda_graph_sizes) or "none",
     )
     kv_manager = KVCacheManager(
         cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
     )
     profiler = StepProfiler(enabled=args.profile)
-    runner = ModelRunner(model, arch, cache_config, backend, profiler)
+    runner = ModelRunner(model, arch, cache_config, backend, profiler, cuda_graphs)
     core = EngineCore(Scheduler(scheduler_config, kv_manager), runner, args.check_invariants)
     return Engine(core, tokenizer, config, profiler)
 
@@ -184,10 +219,29 @@ def _max_model_len(args: EngineArgs, arch: ModelArch) -> int:
     return args.max_model_len
 
 
+def _cuda_graph_config(
+    args: EngineArgs, device: torch.device, backend: str, max_model_len: int
+) -> CudaGraphConfig | None:
+    """Graphs for decode-only steps on CUDA with FlashInfer, unless --enforce-eager."""
+    if device.type != "cuda" or args.enforce_eager:
+        return None
+    if backend != "flashinfer":
+        logger.info("CUDA graphs need the flashinfer attention backend; decoding eagerly")
+        return None
+    return CudaGraphConfig(capture_sizes(args.max_num_seqs), max_model_len)
+
+
 def _num_kv_blocks(
-    args: EngineArgs, arch: ModelArch, dtype: torch.dtype, device: torch.device, max_model_len: int
+    args: EngineArgs,
+    arch: ModelArch,
+    dtype: torch.dtype,
+    max_model_len: int,
+    reserved_blocks: int,
+    gpu_profile: Callable[[], MemoryProfile] | None,
 ) -> int:
-    """Explicit count, else a byte budget; never fewer than one full-length request needs."""
+    """Explicit count, else what the memory budget holds beside `reserved_blocks`; never fewer
+    than one full-length request needs. On GPU (`gpu_profile` given) without an explicit
+    --kv-cache-memory, the budget comes from --gpu-memory-utilization after a profiling step."""
     needed = cdiv(max_model_len, args.block_size)
     if args.num_kv_blocks is not None:
         return args.num_kv_blocks
@@ -195,14 +249,13 @@ def _num_kv_blocks(
         arch.num_layers, args.block_size, arch.num_kv_heads, arch.head_dim, dtype
     )
     if args.kv_cache_memory is not None:
-        budget = args.kv_cache_memory
-    elif device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * args.gpu_memory_utilization)
+        fits = args.kv_cache_memory // per_block - reserved_blocks
+    elif gpu_profile is not None:
+        fits = gpu_profile().kv_blocks(args.gpu_memory_utilization, per_block, reserved_blocks)
     else:
-        budget = DEFAULT_CPU_KV_CACHE_BYTES
+        fits = DEFAULT_CPU_KV_CACHE_BYTES // per_block - reserved_blocks
     # More blocks than every sequence at full length could use only wastes memory.
-    num_blocks = min(budget // per_block, args.max_num_seqs * needed)
+    num_blocks = min(fits, args.max_num_seqs * needed)
     if num_blocks < needed:
         raise ValueError(
             f"the KV cache budget holds {num_blocks} blocks, fewer than the {needed} one request "

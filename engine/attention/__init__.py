@@ -3,8 +3,9 @@
     backend      device  what it is
     torch        any     the reference: block gathers + batched matmuls (tested vs dense)
     cpu-native   CPU     C++ kernels that read the paged cache in place (JIT-built once)
+    flashinfer   CUDA    FlashInfer's paged prefill/decode wrappers
 
-`auto` picks cpu-native on CPU when it can run, else torch.
+`auto` picks flashinfer on CUDA and cpu-native on CPU when they can run, else torch.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from __future__ import annotations
 import torch
 
 from engine.attention.backend import AttentionBackend
+from engine.attention.flashinfer_backend import FlashInferAttentionBackend, select_gpu_backend
 from engine.attention.native_backend import NativeCpuAttentionBackend, native_kernels_available
 from engine.attention.torch_backend import TorchAttentionBackend
 
-BACKENDS = ("auto", "torch", "cpu-native")
+BACKENDS = ("auto", "torch", "cpu-native", "flashinfer")
 
 
 def resolve_backend_name(
@@ -23,13 +25,15 @@ def resolve_backend_name(
 ) -> str:
     """The concrete backend for `name` on `device`; raises ValueError when unavailable.
 
-    May compile the native CPU kernels (once per machine; cached).
+    May import flashinfer or compile the native CPU kernels (once per machine; cached).
     """
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {BACKENDS}")
     on_cpu = torch.device(device).type == "cpu"
+    if name == "flashinfer" or (name == "auto" and not on_cpu):
+        return select_gpu_backend(name, device, dtype)
     if name == "auto":
-        return "cpu-native" if on_cpu and native_kernels_available() else "torch"
+        return "cpu-native" if native_kernels_available() else "torch"
     if name == "cpu-native":
         if not on_cpu:
             raise ValueError("attention backend 'cpu-native' runs only on the CPU")
@@ -46,6 +50,8 @@ def create_backend(
     name: str, kv_cache: torch.Tensor, num_heads: int, scale: float
 ) -> AttentionBackend:
     resolved = resolve_backend_name(name, kv_cache.device, kv_cache.dtype)
+    if resolved == "flashinfer":
+        return FlashInferAttentionBackend(kv_cache, num_heads, scale)
     if resolved == "cpu-native":
         return NativeCpuAttentionBackend(kv_cache, num_heads, scale)
     return TorchAttentionBackend(kv_cache, num_heads, scale)

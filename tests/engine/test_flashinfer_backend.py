@@ -1,0 +1,243 @@
+"""The FlashInfer backend on CPU: backend selection, and its contract with FlashInfer.
+
+A recording stand-in for `flashinfer` (tests/fake_flashinfer.py) is injected through the
+backend's constructor. For steps built by the real Scheduler, RunnerStates and metadata
+builder, the test checks that plan() receives exactly the metadata the torch backend
+consumed, that run() receives the right tensors, and that FlashInfer's documented
+semantics applied to those arguments give the torch backend's output.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from engine.attention.backend import allocate_kv_cache
+from engine.attention.flashinfer_backend import (
+    CudaGraphDecodeAttention,
+    FlashInferAttentionBackend,
+    flashinfer_available,
+    host_page_table,
+    select_gpu_backend,
+)
+from engine.attention.metadata import AttentionMetadata, build_attention_metadata
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.config import SchedulerConfig
+from engine.cuda_graphs import pad_decode_batch
+from engine.kv_cache import KVCacheManager
+from engine.request import Request
+from engine.runner_state import RunnerStates
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ModelRunnerOutput, Scheduler
+from tests.fake_flashinfer import Call, make_fake_flashinfer
+
+HEADS, KV_HEADS, HEAD_DIM, LAYERS, BLOCK, NUM_BLOCKS = 4, 2, 16, 2, 16, 48
+DTYPE = torch.bfloat16
+SCALE = HEAD_DIM**-0.5
+
+
+@pytest.fixture
+def cuda_present(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+def test_selection_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert flashinfer_available() == (False, "CUDA is not available")
+    assert select_gpu_backend("auto", "cuda", DTYPE) == "torch"
+    with pytest.raises(ValueError, match="'flashinfer' is unavailable: CUDA is not available"):
+        select_gpu_backend("flashinfer", "cuda", DTYPE)
+
+
+def test_selection_when_flashinfer_does_not_import(
+    cuda_present: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # makes `import flashinfer` fail
+    ok, reason = flashinfer_available("cuda", DTYPE)
+    assert not ok and "import flashinfer" in reason and ".[gpu]" in reason
+    assert select_gpu_backend("auto", "cuda", DTYPE) == "torch"
+    with pytest.raises(ValueError, match="import flashinfer"):
+        select_gpu_backend("flashinfer", "cuda", DTYPE)
+
+
+def test_selection_when_flashinfer_imports(
+    cuda_present: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
+    assert flashinfer_available("cuda", DTYPE) == (True, "")
+    assert select_gpu_backend("auto", "cuda", DTYPE) == "flashinfer"
+    assert select_gpu_backend("flashinfer", "cuda:0", torch.float16) == "flashinfer"
+    assert select_gpu_backend("torch", "cuda", DTYPE) == "torch"
+    # FlashInfer has no float32 kernels, and runs only on CUDA devices.
+    assert select_gpu_backend("auto", "cuda", torch.float32) == "torch"
+    with pytest.raises(ValueError, match="float16 and bfloat16"):
+        select_gpu_backend("flashinfer", "cuda", torch.float32)
+    with pytest.raises(ValueError, match="only on CUDA devices"):
+        select_gpu_backend("flashinfer", "cpu", DTYPE)
+
+
+def test_backend_rejects_a_float32_cache() -> None:
+    fake, _ = make_fake_flashinfer()
+    kv_cache = allocate_kv_cache(LAYERS, 4, BLOCK, KV_HEADS, HEAD_DIM, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="float16 and bfloat16"):
+        FlashInferAttentionBackend(kv_cache, HEADS, SCALE, flashinfer=fake)
+
+
+def scheduled_steps() -> list[AttentionMetadata]:
+    """Metadata of six steps from the real Scheduler: prefills, chunked prefill mixed with
+    decodes, decode-only steps, and a prefix-cache hit mixed with decodes."""
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
+    sched = Scheduler(config, KVCacheManager(NUM_BLOCKS, BLOCK, enable_caching=True))
+    states = RunnerStates(eos_token_ids=())
+    rng = np.random.default_rng(0)
+    prompts = {rid: rng.integers(3, 200, n).tolist() for rid, n in (("a", 20), ("b", 30))}
+    prompts["c"] = rng.integers(3, 200, 70).tolist()
+    prompts["d"] = [*prompts["c"][:40], 7, 8]  # shares two full blocks with c
+    arrivals = {0: "ab", 1: "c", 4: "d"}
+    steps = []
+    for step in range(6):
+        for rid in arrivals.get(step, ""):
+            params = SamplingParams(max_tokens=20, ignore_eos=True)
+            sched.add_request(Request(rid, prompts[rid], params))
+        so = sched.schedule()
+        batch = states.update(so)
+        steps.append(
+            build_attention_metadata(batch.num_computed, batch.num_new, batch.block_ids, BLOCK)
+        )
+        sampled = [batch.request_ids[r] for r in batch.sample_rows]
+        states.append_sampled(sampled, [5] * len(sampled))
+        sched.update_from_output(so, ModelRunnerOutput(dict.fromkeys(sampled, 5)))
+    return steps
+
+
+def test_the_steps_cover_every_kind() -> None:
+    steps = scheduled_steps()
+    assert [md.is_decode_only for md in steps] == [False, False, False, True, False, True]
+    assert [md.num_reqs for md in steps] == [2, 3, 3, 3, 4, 4]
+    assert steps[4].num_computed[-1] == 32  # d: two cached blocks, computed by c
+    assert set(steps[1].query_lens.tolist()) == {1, 62}  # decodes beside a chunk
+
+
+def test_host_page_table_equals_the_metadata() -> None:
+    for md in scheduled_steps():
+        qo, kv, last = host_page_table(md)
+        assert torch.equal(qo, md.qo_indptr) and qo.dtype == torch.int32
+        assert torch.equal(kv, md.kv_indptr) and kv.dtype == torch.int32
+        assert torch.equal(last, md.kv_last_page_len) and last.dtype == torch.int32
+
+
+def check_plan(call: Call, md: AttentionMetadata) -> None:
+    """plan()'s arguments are the torch backend's metadata, FlashInfer's CSR page table."""
+    if call.wrapper == "prefill":
+        qo, kv, indices, last, *geometry = call.args
+        assert torch.equal(qo, md.qo_indptr)
+        assert call.kwargs == {
+            "causal": True,
+            "sm_scale": SCALE,
+            "q_data_type": DTYPE,
+            "kv_data_type": DTYPE,
+        }
+    else:
+        kv, indices, last, *geometry = call.args
+        assert call.kwargs == {"q_data_type": DTYPE, "kv_data_type": DTYPE, "sm_scale": SCALE}
+    assert torch.equal(kv, md.kv_indptr)
+    assert indices is md.kv_indices
+    assert torch.equal(last, md.kv_last_page_len)
+    assert geometry == [HEADS, KV_HEADS, HEAD_DIM, BLOCK]
+
+
+def check_runs(calls: list[Call], wrapper: str, kv_cache: torch.Tensor, num_tokens: int) -> None:
+    assert [(c.wrapper, c.method) for c in calls] == [(wrapper, "run")] * LAYERS
+    for layer, call in enumerate(calls):
+        q, (k_cache, v_cache) = call.args
+        assert q.shape == (num_tokens, HEADS, HEAD_DIM) and q.dtype == DTYPE
+        # The layer's K and V planes of our cache, as FlashInfer's NHD (k_cache, v_cache).
+        assert k_cache.data_ptr() == kv_cache[layer, 0].data_ptr()
+        assert v_cache.data_ptr() == kv_cache[layer, 1].data_ptr()
+        assert k_cache.shape == v_cache.shape == (NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
+
+
+def assert_bf16_close(out: torch.Tensor, expected: torch.Tensor) -> None:
+    """A few bf16 ulps: the torch backend rounds its probabilities to bf16 before P @ V."""
+    torch.testing.assert_close(out.float(), expected.float(), atol=1e-2, rtol=2e-2)
+
+
+def new_cache() -> torch.Tensor:
+    return allocate_kv_cache(LAYERS, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM, DTYPE, "cpu")
+
+
+def test_flashinfer_contract_matches_the_torch_backend() -> None:
+    fake, calls = make_fake_flashinfer()
+    fi_cache, torch_cache = new_cache(), new_cache()
+    backend = FlashInferAttentionBackend(fi_cache, HEADS, SCALE, flashinfer=fake)
+    reference = TorchAttentionBackend(torch_cache, HEADS, SCALE)
+    workspace = calls[0].args[0]
+    assert workspace.dtype == torch.uint8 and workspace.numel() == 128 << 20
+    assert [(c.wrapper, c.args[1:], c.kwargs) for c in calls] == [
+        ("prefill", ("NHD",), {}),
+        ("decode", ("NHD",), {"use_cuda_graph": False, "use_tensor_cores": False}),
+    ]
+    assert calls[1].args[0] is workspace  # one workspace for both wrappers
+    torch.manual_seed(0)
+    for step, md in enumerate(scheduled_steps()):
+        calls.clear()
+        backend.plan(md)
+        reference.plan(md)
+        [plan_call] = calls
+        assert plan_call.method == "plan"
+        assert plan_call.wrapper == ("decode" if md.is_decode_only else "prefill")
+        check_plan(plan_call, md)
+        calls.clear()
+        max_diff = 0.0
+        for layer in range(LAYERS):
+            q = torch.randn(md.num_tokens, HEADS, HEAD_DIM, dtype=DTYPE)
+            k, v = torch.randn(2, md.num_tokens, KV_HEADS, HEAD_DIM, dtype=DTYPE)
+            out = backend.forward(layer, q, k, v)
+            expected = reference.forward(layer, q, k, v)
+            assert out.shape == (md.num_tokens, HEADS, HEAD_DIM) and out.dtype == DTYPE
+            max_diff = max(max_diff, (out.float() - expected.float()).abs().max().item())
+            assert_bf16_close(out, expected)
+        check_runs(calls, plan_call.wrapper, fi_cache, md.num_tokens)
+        print(f"step {step} ({plan_call.wrapper}): max abs diff vs torch {max_diff:.2e}")
+        assert torch.equal(fi_cache, torch_cache)  # K/V written to the same slots
+
+
+def test_graph_decode_attention_pads_into_the_scratch_block() -> None:
+    """A padded decode step through the CUDA-graph attention (fake FlashInfer, on CPU):
+    the real rows equal the torch backend's, the padding writes only the scratch block."""
+    fake, calls = make_fake_flashinfer()
+    scratch, size = NUM_BLOCKS - 1, 8
+    graph_cache, torch_cache = new_cache(), new_cache()
+    graph_cache.normal_()
+    torch_cache.copy_(graph_cache)
+    indptr, indices = torch.zeros(size + 1, dtype=torch.int32), torch.zeros(64, dtype=torch.int32)
+    last, slots = torch.zeros(size, dtype=torch.int32), torch.zeros(size, dtype=torch.long)
+    workspace = torch.empty(16, dtype=torch.uint8)
+    attention = CudaGraphDecodeAttention(
+        graph_cache, HEADS, SCALE, (indptr, indices, last, slots), workspace, flashinfer=fake
+    )
+    init = calls[0]
+    assert init.kwargs == {"use_cuda_graph": True, "use_tensor_cores": False}
+    assert init.args == (workspace, "NHD")
+    computed, tables = [20, 33, 5], [[3, 9], [4, 0, 7], [11]]
+    md = build_attention_metadata(computed, [1, 1, 1], tables, BLOCK)
+    padded = build_attention_metadata(*pad_decode_batch(computed, tables, size, scratch), BLOCK)
+    attention.plan(padded)
+    assert torch.equal(slots, padded.slot_mapping)  # the graph's persistent slot mapping
+    reference = TorchAttentionBackend(torch_cache, HEADS, SCALE)
+    reference.plan(md)
+    q = torch.randn(size, HEADS, HEAD_DIM, dtype=DTYPE)
+    k, v = torch.randn(2, size, KV_HEADS, HEAD_DIM, dtype=DTYPE)
+    out = attention.forward(0, q, k, v)
+    expected = reference.forward(0, q[:3], k[:3], v[:3])
+    max_diff = (out[:3].float() - expected.float()).abs().max().item()
+    print(f"padded graph decode: max abs diff vs torch {max_diff:.2e}")
+    assert_bf16_close(out[:3], expected)
+    assert torch.equal(graph_cache[:, :, :scratch], torch_cache[:, :, :scratch])
+    assert not torch.equal(graph_cache[0, :, scratch], torch_cache[0, :, scratch])
+    with pytest.raises(ValueError, match="graph of batch size 8"):
+        attention.plan(md)

@@ -1,0 +1,244 @@
+"""FlashInfer on a real GPU: kernels against the torch backend, greedy decoding against
+transformers, and CUDA-graph decode against eager decode. Skipped without CUDA + FlashInfer.
+
+FlashInfer has no float32 kernels, so the engine runs float16 here (10 mantissa bits
+against bfloat16's 7, for the tightest comparison FlashInfer allows) while transformers,
+the reference, runs float32. Greedy outputs may then part only where the reference's two
+best logits are within rounding noise; `assert_greedy_matches` allows exactly that.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.attention.backend import allocate_kv_cache
+from engine.attention.flashinfer_backend import FlashInferAttentionBackend, flashinfer_available
+from engine.attention.metadata import build_attention_metadata
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.kv_cache import cdiv
+from engine.runner_state import StepBatch
+from tests.engine.test_attention import dense_reference
+from tests.engine.test_correctness import LENGTHS, make_prompts
+from tests.tiny_models import make_config, save_word_tokenizer
+
+AVAILABLE, REASON = flashinfer_available()
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not AVAILABLE, reason=f"needs a CUDA GPU with FlashInfer: {REASON}"),
+]
+
+CASES = {
+    "prefill": [(0, 9), (0, 70), (0, 1)],
+    "decode": [(12, 1), (3, 1), (400, 1), (0, 1)],
+    "mixed": [(20, 1), (0, 13), (7, 60), (333, 1), (16, 16)],
+}
+# (heads, kv_heads, head_dim): MHA, GQA 4 and GQA 6 (decode on tensor cores above 4).
+SHAPES = [(8, 8, 64), (32, 8, 128), (12, 2, 64)]
+# Logit gap below which float16 against float32 may legitimately pick another token.
+NEAR_TIE = 0.05
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), SHAPES)
+def test_flashinfer_matches_torch_backend(
+    block_size: int, case: str, num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    dtype, device, layer, scale = torch.bfloat16, "cuda", 1, head_dim**-0.5
+    caches = [
+        allocate_kv_cache(2, 128, block_size, num_kv_heads, head_dim, dtype, device)
+        for _ in range(2)
+    ]
+    flashinfer = FlashInferAttentionBackend(caches[0], num_heads, scale)
+    reference = TorchAttentionBackend(caches[1], num_heads, scale)
+    requests = CASES[case]
+    free_blocks = list(rng.permutation(128))
+    tables = [[int(free_blocks.pop()) for _ in range(cdiv(c + n, block_size))] for c, n in requests]
+    histories = [torch.randn(c + n, 2, num_kv_heads, head_dim, dtype=dtype) for c, n in requests]
+    for cache in caches:  # the already-computed history, as earlier steps would have written
+        flat = cache[layer].view(2, -1, num_kv_heads, head_dim)
+        for (computed, _), table, hist in zip(requests, tables, histories, strict=True):
+            slots = [table[p // block_size] * block_size + p % block_size for p in range(computed)]
+            flat[:, slots] = hist[:computed].transpose(0, 1).to(device)
+    md = build_attention_metadata(
+        [c for c, _ in requests], [n for _, n in requests], tables, block_size, device
+    )
+    q = torch.randn(md.num_tokens, num_heads, head_dim, dtype=dtype)
+    k = torch.cat([h[c:, 0] for (c, _), h in zip(requests, histories, strict=True)])
+    v = torch.cat([h[c:, 1] for (c, _), h in zip(requests, histories, strict=True)])
+    outs = []
+    for backend in (flashinfer, reference):
+        backend.plan(md)
+        outs.append(backend.forward(layer, q.to(device), k.to(device), v.to(device)).cpu())
+    exact = torch.cat(
+        [
+            dense_reference(q[s : s + n], h[:, 0], h[:, 1], c, scale)
+            for s, (c, n), h in zip(md.qo_indptr[:-1].tolist(), requests, histories, strict=True)
+        ]
+    )
+    fi_err = (outs[0].double() - exact).abs().max().item()
+    torch_err = (outs[1].double() - exact).abs().max().item()
+    between = (outs[0].float() - outs[1].float()).abs().max().item()
+    print(
+        f"{case} block_size={block_size} heads={num_heads}/{num_kv_heads} d={head_dim}: "
+        f"flashinfer vs float64 {fi_err:.2e}, torch vs float64 {torch_err:.2e}, "
+        f"flashinfer vs torch {between:.2e}"
+    )
+    assert torch.equal(caches[0], caches[1])  # both wrote the step's K/V to the same slots
+    assert fi_err < 2e-2 and between < 3e-2  # bf16 output: a few ulps of values up to ~4
+
+
+def make_gpu_model(kind: str, path: Path) -> Path:
+    """tests/tiny_models' model with head_dim 64, a size FlashInfer compiles kernels for."""
+    from transformers import AutoModelForCausalLM
+
+    config = make_config(kind)
+    config.update({"hidden_size": 256, "intermediate_size": 512, "head_dim": 64})
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    save_word_tokenizer(path)
+    return path
+
+
+def hf_greedy_with_margins(
+    model_dir: Path, prompts: list[list[int]], max_tokens: int
+) -> tuple[list[list[int]], list[list[float]]]:
+    """transformers' greedy tokens in float32 on the GPU, and at each generated position the
+    gap between the reference's two best logits."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda()
+    tokens, margins = [], []
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device="cuda")
+        out = model.generate(
+            ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        with torch.inference_mode():
+            logits = model(out).logits[0, len(prompt) - 1 : -1].float()  # (max_tokens, vocab)
+        top2 = logits.topk(2, dim=-1).values
+        tokens.append(out[0, len(prompt) :].tolist())
+        margins.append((top2[:, 0] - top2[:, 1]).tolist())
+    return tokens, margins
+
+
+def assert_greedy_matches(
+    ours: list[list[int]], reference: list[list[int]], margins: list[list[float]]
+) -> None:
+    exact = 0
+    for i, (a, b, gaps) in enumerate(zip(ours, reference, margins, strict=True)):
+        split = next((t for t, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+        if split is None:
+            exact += 1
+            continue
+        assert gaps[split] < NEAR_TIE, (
+            f"prompt {i} parts from transformers at token {split}, where its top-2 logit gap "
+            f"is {gaps[split]:.3f} (not a near tie): ours {a}, transformers {b}"
+        )
+    print(f"{exact}/{len(ours)} prompts equal to transformers token for token")
+    assert exact >= len(ours) // 2
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def gpu_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    path = make_gpu_model(request.param, tmp_path_factory.mktemp(request.param))
+    prompts = make_prompts(1, LENGTHS)
+    return path, prompts, hf_greedy_with_margins(path, prompts, 12)
+
+
+def gpu_llm(path: Path, **kwargs: object) -> LLM:
+    options: dict[str, object] = dict(
+        device="cuda",
+        dtype="float16",
+        attention_backend="flashinfer",
+        block_size=16,
+        num_kv_blocks=256,
+        max_model_len=256,
+        check_invariants=True,
+    )
+    options.update(kwargs)
+    return LLM(str(path), **options)
+
+
+@pytest.mark.parametrize(
+    "mode",
+    ["cuda-graphs", "eager", "chunked-prefill"],
+)
+def test_greedy_matches_transformers(gpu_model, mode: str) -> None:
+    path, prompts, (reference, margins) = gpu_model
+    kwargs: dict[str, object] = {
+        "cuda-graphs": {},
+        "eager": {"enforce_eager": True},
+        "chunked-prefill": {"max_num_batched_tokens": 16},
+    }[mode]
+    llm = gpu_llm(path, **kwargs)
+    assert llm.config.attention_backend == "flashinfer"
+    assert bool(llm.config.cuda_graph_sizes) == (mode != "eager")
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert_greedy_matches(ours, reference, margins)
+
+
+def test_cuda_graph_decode_matches_eager(tmp_path: Path) -> None:
+    """One decode step through each captured graph size (padded) and through the eager
+    FlashInfer path, on the same random KV history: same hidden states, and the padding
+    writes only the scratch block."""
+    num_blocks = 512
+    llm = gpu_llm(make_gpu_model("llama", tmp_path), num_kv_blocks=num_blocks, max_num_seqs=16)
+    runner = llm.engine.core.runner
+    assert runner.graphs is not None and runner.graphs.sizes == (1, 2, 4, 8, 16)
+    assert runner.kv_cache.shape[2] == num_blocks + 1  # the scratch block
+    torch.manual_seed(0)
+    runner.kv_cache.normal_()  # stands in for the K/V of earlier steps
+    rng = np.random.default_rng(0)
+    for n in (1, 3, 8, 13):
+        computed = rng.integers(0, 120, n).tolist()
+        blocks = iter(rng.permutation(num_blocks).tolist())
+        tables = [[next(blocks) for _ in range(cdiv(c + 1, 16))] for c in computed]
+        ids = rng.integers(3, 256, n)
+        batch = StepBatch([str(i) for i in range(n)], ids, computed, [1] * n, tables, [], [])
+        untouched = sorted(set(range(num_blocks)) - {b for t in tables for b in t})
+        before = runner.kv_cache[:, :, untouched].clone()
+        with torch.inference_mode():
+            graph_hidden = runner.graphs.run(ids, computed, tables, runner.staging).clone()
+            assert torch.equal(runner.kv_cache[:, :, untouched], before)
+            eager_hidden = runner._eager_hidden_states(batch)
+        max_diff = (graph_hidden.float() - eager_hidden.float()).abs().max().item()
+        print(f"decode batch {n} (graph {runner.graphs.sizes}): max abs diff {max_diff:.2e}")
+        torch.testing.assert_close(graph_hidden, eager_hidden, atol=1e-2, rtol=1e-2)
+
+
+def test_kv_cache_fills_the_gpu_memory_utilization(tmp_path: Path) -> None:
+    """No --num-kv-blocks: the profiled budget decides. The device ends up about
+    utilization * total in use, most of it KV cache. (A huge max_num_seqs lifts the cap of
+    max_num_seqs full-length requests; eager, so nothing is captured; 256-token blocks keep
+    the block pool to some 10^5 blocks.)"""
+    utilization, gib = 0.2, 1 << 30
+    torch.cuda.empty_cache()
+    free_before, total = torch.cuda.mem_get_info()
+    llm = gpu_llm(
+        make_gpu_model("llama", tmp_path),
+        num_kv_blocks=None,
+        gpu_memory_utilization=utilization,
+        block_size=256,
+        max_num_seqs=1_000_000,
+        enforce_eager=True,
+    )
+    kv_cache = llm.engine.core.runner.kv_cache
+    kv_bytes = kv_cache.numel() * kv_cache.element_size()
+    used = total - torch.cuda.mem_get_info()[0]
+    share = utilization * total
+    print(
+        f"{llm.config.cache.num_blocks} blocks, {kv_bytes / gib:.2f} GiB of KV cache; device "
+        f"{used / gib:.2f} GiB in use of {total / gib:.2f} GiB (share {share / gib:.2f})"
+    )
+    assert kv_cache.shape[2] == llm.config.cache.num_blocks  # no scratch block when eager
+    assert used <= share + gib / 2
+    assert kv_bytes >= share - (total - free_before) - 2 * gib
