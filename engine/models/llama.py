@@ -14,7 +14,14 @@ from torch import nn
 from engine.attention.backend import AttentionBackend
 from engine.models import native_ops
 from engine.models.arch import ModelArch
-from engine.models.layers import Linear, RMSNorm, RotaryEmbedding
+from engine.models.layers import (
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    onednn_packable,
+    pack_linear_weight,
+    packed_linear,
+)
 
 
 class Attention(nn.Module):
@@ -100,6 +107,17 @@ class DecoderModel(nn.Module):
             if arch.tie_word_embeddings
             else nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size), requires_grad=False)
         )
+        self._packed_head: torch.Tensor | None = None
+
+    def pack_weights(self) -> None:
+        """Mutates: pre-packs every linear layer and the LM head where oneDNN can (see
+        layers.onednn_packable); results are unchanged. Call once, after loading."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        if onednn_packable(head):
+            self._packed_head = pack_linear_weight(head.detach())
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
@@ -116,5 +134,7 @@ class DecoderModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(n, hidden_size) -> (n, vocab_size) float32 logits."""
+        if self._packed_head is not None:
+            return packed_linear(hidden, self._packed_head, None).float()
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
         return F.linear(hidden, weight).float()

@@ -82,7 +82,9 @@ def load_model(
         _iter_gguf(folder / gguf_file, arch) if gguf_file is not None else _iter_safetensors(folder)
     )
     WeightLoader(decoder, arch).load(tensors)
-    return decoder.to(device).eval(), arch
+    decoder = decoder.to(device).eval()
+    decoder.pack_weights()
+    return decoder, arch
 
 
 class WeightLoader:

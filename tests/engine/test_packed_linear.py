@@ -1,0 +1,67 @@
+"""oneDNN pre-packed linear layers give exactly F.linear's results, only faster."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.attention.backend import allocate_kv_cache
+from engine.attention.metadata import build_attention_metadata
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.models.layers import Linear, onednn_packable
+from engine.models.llama import DecoderModel
+from engine.models.loader import WeightLoader, _iter_safetensors, load_model
+from tests.tiny_models import make_tiny_model
+
+needs_onednn = pytest.mark.skipif(
+    not onednn_packable(torch.empty(1, dtype=torch.bfloat16)),
+    reason="this torch build has no oneDNN packed linear",
+)
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_packed_linear_equals_f_linear(rows: int) -> None:
+    dtype = torch.bfloat16
+    torch.manual_seed(0)
+    layer = Linear(96, 160, bias=True)
+    layer.weight.data.normal_()  # type: ignore[union-attr]
+    layer.bias.data.normal_()  # type: ignore[union-attr]
+    layer = layer.to(dtype)
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()  # type: ignore[union-attr]
+    layer.pack()
+    assert layer.packed is not None and layer.weight is None
+    x = torch.randn(rows, 96, dtype=dtype)
+    assert torch.equal(layer(x), F.linear(x, weight, bias))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_other_dtypes_stay_on_f_linear(dtype: torch.dtype) -> None:
+    layer = Linear(8, 8).to(dtype)
+    layer.pack()
+    assert layer.packed is None and layer.weight is not None
+
+
+@needs_onednn
+def test_packed_model_gives_identical_logits(tmp_path: Path) -> None:
+    path = make_tiny_model("qwen2", tmp_path)  # qkv bias, untied head
+    packed, arch = load_model(path, torch.bfloat16, "cpu")  # load_model packs
+    assert packed._packed_head is not None
+    plain = DecoderModel(arch).to(torch.bfloat16)
+    WeightLoader(plain, arch).load(_iter_safetensors(path))
+    plain.eval()
+    md = build_attention_metadata([0, 0], [5, 9], [[0], [1]], block_size=16)
+    ids = torch.randint(3, 256, (14,))
+    outs = []
+    for model in (packed, plain):
+        cache = allocate_kv_cache(
+            arch.num_layers, 4, 16, arch.num_kv_heads, arch.head_dim, torch.bfloat16, "cpu"
+        )
+        backend = TorchAttentionBackend(cache, arch.num_heads, arch.head_dim**-0.5)
+        backend.plan(md)
+        with torch.inference_mode():
+            outs.append(model.compute_logits(model(ids, md.positions, backend)))
+    assert torch.equal(outs[0], outs[1])
