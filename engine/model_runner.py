@@ -15,6 +15,7 @@ from engine.attention.backend import AttentionBackend, allocate_kv_cache
 from engine.attention.flashinfer_backend import FlashInferAttentionBackend
 from engine.attention.metadata import AttentionMetadata, build_attention_metadata
 from engine.config import CacheConfig
+from engine.cpu_threads import StepThreads
 from engine.cuda_graphs import CudaGraphConfig, CudaGraphRunner
 from engine.host_staging import PinnedStaging
 from engine.models.arch import ModelArch
@@ -61,6 +62,8 @@ class ModelRunner:
         self.graphs = None if cuda_graphs is None else self._capture(backend, cuda_graphs)
         self.states = RunnerStates(arch.eos_token_ids)
         self.sampler = Sampler(arch.vocab_size)
+        cpu = self.device.type == "cpu"
+        self.threads = StepThreads(torch.get_num_threads()) if cpu else None
 
     def _capture(self, backend: AttentionBackend, config: CudaGraphConfig) -> CudaGraphRunner:
         if not isinstance(backend, FlashInferAttentionBackend):
@@ -74,6 +77,8 @@ class ModelRunner:
             batch = self.states.update(so)
             if not batch.request_ids:
                 return ModelRunnerOutput({})
+            if self.threads is not None:
+                self.threads.apply(len(batch.input_ids))
         hidden = self._hidden_states(batch)  # (T, hidden)
         qo_indptr = np.concatenate(([0], np.cumsum(batch.num_new)))
         with self.profiler.section("sampling"):

@@ -45,7 +45,8 @@ class Sampler:
         logits = logits[:, : self.vocab_size]
         want_logprobs = any(r.params.logprobs is not None for r in rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        logits = self._process(logits.clone(), rows)
+        if any(_needs_processing(r) for r in rows):
+            logits = self._process(logits.clone(), rows)
         greedy = torch.tensor([r.params.greedy for r in rows])
         tokens = logits.argmax(dim=-1)
         if not bool(greedy.all()):
@@ -60,6 +61,8 @@ class Sampler:
     def _process(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Mutates `logits`: bias, min_tokens and penalties, row by row where set."""
         for i, row in enumerate(rows):
+            if not _needs_processing(row):
+                continue
             params = row.params
             if params.logit_bias:
                 ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
@@ -89,6 +92,12 @@ class Sampler:
                 gen = torch.Generator().manual_seed(step_seed(row.params.seed, row))
                 noise[i] = torch.empty_like(probs[i]).exponential_(generator=gen)
         return (probs / noise).argmax(dim=-1)
+
+
+def _needs_processing(row: SamplingRow) -> bool:
+    params = row.params
+    masked = len(row.output_token_ids) < params.min_tokens and bool(row.stop_token_ids)
+    return bool(params.logit_bias) or params.needs_penalties or masked
 
 
 def step_seed(seed: int, row: SamplingRow) -> int:
