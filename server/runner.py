@@ -30,6 +30,16 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.state = state
         self._drain_task: asyncio.Task[None] | None = None
+        self.exit_code = 0
+
+    async def on_tick(self, counter: int) -> bool:
+        """A model that fails to load ends the process (exit 1), so an orchestrator sees a
+        crash rather than a live pod that can never become ready."""
+        if self.state.phase is Phase.FAILED:
+            logger.error("exiting: the model could not be loaded")
+            self.exit_code = 1
+            return True
+        return await super().on_tick(counter)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._drain_task is not None or self.state.phase is not Phase.READY:
@@ -103,5 +113,6 @@ def run_server(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=1,
         lifespan="on",
     )
-    DrainingServer(config, app.state.gateway).run()
-    return 0
+    server = DrainingServer(config, app.state.gateway)
+    server.run()
+    return server.exit_code

@@ -115,3 +115,24 @@ def test_flags_come_from_environment(tiny_model_dir: Path) -> None:
         assert models["data"][0]["id"] == "from-env"
         metrics = httpx.get(f"{server.url}/metrics").text
         assert 'enable_prefix_caching="false"' in metrics
+
+
+def test_a_model_that_fails_to_load_ends_the_process(tmp_path: Path) -> None:
+    """Exit 1 rather than a live process that can never become ready."""
+    import subprocess
+    import sys
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "server.cli",
+        "serve",
+        str(tmp_path / "missing"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+    ]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert "not a local Hugging Face model directory" in result.stderr
