@@ -78,7 +78,8 @@ class ModelRunner:
             if not batch.request_ids:
                 return ModelRunnerOutput({})
             if self.threads is not None:
-                self.threads.apply(len(batch.input_ids))
+                num_tokens = len(batch.input_ids)
+                self.threads.apply(num_tokens, sum(batch.num_computed) + num_tokens)
         hidden = self._hidden_states(batch)  # (T, hidden)
         qo_indptr = np.concatenate(([0], np.cumsum(batch.num_new)))
         with self.profiler.section("sampling"):
