@@ -62,15 +62,15 @@ async def create_chat_completion(
     response_id = f"chatcmpl-{request_id}"
     if body.stream:
         return _stream(ctx, body, choices, request_id, response_id)
-    await collect(ctx, choices, request_id, body.cache_salt)
-    return {
-        "id": response_id,
-        "object": "chat.completion",
-        "created": now(),
-        "model": ctx.model_name,
-        "choices": [_final_choice(ctx, body, c) for c in choices],
-        "usage": usage(choices),
-    }
+    return await collect(
+        ctx,
+        choices,
+        request_id,
+        body.cache_salt,
+        response_id,
+        "chat.completion",
+        lambda choice: _final_choice(ctx, body, choice),
+    )
 
 
 def _final_choice(

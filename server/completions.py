@@ -87,15 +87,15 @@ async def create_completion(
     response_id = f"cmpl-{request_id}"
     if body.stream:
         return _stream(ctx, body, choices, request_id, response_id)
-    await collect(ctx, choices, request_id, body.cache_salt)
-    return {
-        "id": response_id,
-        "object": "text_completion",
-        "created": now(),
-        "model": ctx.model_name,
-        "choices": [_final_choice(ctx, body, c) for c in choices],
-        "usage": usage(choices),
-    }
+    return await collect(
+        ctx,
+        choices,
+        request_id,
+        body.cache_salt,
+        response_id,
+        "text_completion",
+        lambda choice: _final_choice(ctx, body, choice),
+    )
 
 
 def _final_choice(ctx: ServingContext, body: CompletionRequest, choice: Choice) -> dict[str, Any]:

@@ -7,7 +7,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,11 +137,25 @@ async def merge(
 
 
 async def collect(
-    ctx: ServingContext, choices: list[Choice], request_id: str, salt: str | None
-) -> None:
-    """Runs every choice to completion (their trackers hold the results)."""
+    ctx: ServingContext,
+    choices: list[Choice],
+    request_id: str,
+    salt: str | None,
+    response_id: str,
+    obj: str,
+    final_choice: Callable[[Choice], dict[str, Any]],
+) -> dict[str, Any]:
+    """Runs every choice to completion, then builds the non-streamed response body."""
     async for _ in merge(ctx, choices, request_id, salt):
         pass
+    return {
+        "id": response_id,
+        "object": obj,
+        "created": now(),
+        "model": ctx.model_name,
+        "choices": [final_choice(c) for c in choices],
+        "usage": usage(choices),
+    }
 
 
 def usage(choices: list[Choice]) -> dict[str, Any]:

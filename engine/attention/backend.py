@@ -30,6 +30,24 @@ class AttentionBackend(Protocol):
         ...
 
 
+def write_kv(
+    kv_cache: torch.Tensor,
+    layer_idx: int,
+    slot_mapping: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mutates the cache: stores this step's K/V (T, kv_heads, head_dim) at their slots.
+
+    Returns the layer's (k_cache, v_cache), each (blocks, block_size, kv_heads, head_dim).
+    """
+    k_cache, v_cache = kv_cache[layer_idx]
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    return k_cache, v_cache
+
+
 def allocate_kv_cache(
     num_layers: int,
     num_blocks: int,

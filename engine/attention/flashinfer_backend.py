@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.attention.backend import write_kv
 from engine.attention.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -104,8 +105,7 @@ class _PagedAttention:
             raise ValueError(f"FlashInfer runs float16 and bfloat16 caches, not {kv_cache.dtype}")
         self.fi: Any = flashinfer or importlib.import_module("flashinfer")
         self.kv_cache = kv_cache  # (layers, 2, blocks, block_size, kv_heads, head_dim)
-        _, _, num_blocks, self.block_size, self.num_kv_heads, self.head_dim = kv_cache.shape
-        self.num_slots = num_blocks * self.block_size
+        _, _, _, self.block_size, self.num_kv_heads, self.head_dim = kv_cache.shape
         self.num_heads = num_heads
         self.scale = scale
         self.tensor_cores = use_tensor_cores(num_heads, self.num_kv_heads)
@@ -134,10 +134,7 @@ class _PagedAttention:
         k: torch.Tensor,
         v: torch.Tensor,
     ) -> torch.Tensor:
-        k_cache, v_cache = self.kv_cache[layer_idx]  # (blocks, block_size, kv_heads, head_dim)
-        flat = (self.num_slots, self.num_kv_heads, self.head_dim)
-        k_cache.view(flat).index_copy_(0, slot_mapping, k)
-        v_cache.view(flat).index_copy_(0, slot_mapping, v)
+        k_cache, v_cache = write_kv(self.kv_cache, layer_idx, slot_mapping, k, v)
         return wrapper.run(q, (k_cache, v_cache))  # (T, num_heads, head_dim)
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from engine.attention.backend import write_kv
 from engine.attention.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -191,8 +192,7 @@ class NativeCpuAttentionBackend:
         if not native_kernels_available():
             raise RuntimeError("the native CPU attention kernels could not be built")
         self.kv_cache = kv_cache  # (layers, 2, blocks, block_size, kv_heads, head_dim)
-        _, _, num_blocks, block_size, self.num_kv_heads, self.head_dim = kv_cache.shape
-        self.num_slots = num_blocks * block_size
+        _, _, _, _, self.num_kv_heads, self.head_dim = kv_cache.shape
         self.num_heads = num_heads
         self.scale = scale
         self._kernel = torch.ops.pagedserve.paged_attention
@@ -217,13 +217,7 @@ class NativeCpuAttentionBackend:
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """Mutates the cache: writes this step's K/V, then attends over the paged history."""
-        k_cache, v_cache = self.kv_cache[layer_idx]  # (blocks, block_size, kv_heads, head_dim)
-        k_cache.view(self.num_slots, self.num_kv_heads, self.head_dim).index_copy_(
-            0, self._slot_mapping, k
-        )
-        v_cache.view(self.num_slots, self.num_kv_heads, self.head_dim).index_copy_(
-            0, self._slot_mapping, v
-        )
+        k_cache, v_cache = write_kv(self.kv_cache, layer_idx, self._slot_mapping, k, v)
         if q.stride(-1) != 1 or q.stride(-2) != self.head_dim:
             q = q.contiguous()
         out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (T, heads, head_dim)

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine.attention.backend import write_kv
 from engine.attention.metadata import AttentionMetadata
 
 # Above this many score elements per request, use the memory-efficient SDPA kernel.
@@ -50,11 +51,10 @@ class TorchAttentionBackend:
 
     def __init__(self, kv_cache: torch.Tensor, num_heads: int, scale: float) -> None:
         self.kv_cache = kv_cache  # (layers, 2, blocks, block_size, kv_heads, head_dim)
-        _, _, num_blocks, self.block_size, self.num_kv_heads, self.head_dim = kv_cache.shape
+        _, _, _, self.block_size, self.num_kv_heads, self.head_dim = kv_cache.shape
         self.num_heads = num_heads
         self.group = num_heads // self.num_kv_heads
         self.scale = scale
-        self.num_slots = num_blocks * self.block_size
         self._slot_mapping = torch.empty(0, dtype=torch.long)
         self._decode: _DecodePlan | None = None
         self._extends: list[_ExtendPlan] = []
@@ -105,13 +105,7 @@ class TorchAttentionBackend:
     def forward(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        k_cache, v_cache = self.kv_cache[layer_idx]  # (blocks, block_size, kv_heads, head_dim)
-        k_cache.view(self.num_slots, self.num_kv_heads, self.head_dim).index_copy_(
-            0, self._slot_mapping, k
-        )
-        v_cache.view(self.num_slots, self.num_kv_heads, self.head_dim).index_copy_(
-            0, self._slot_mapping, v
-        )
+        k_cache, v_cache = write_kv(self.kv_cache, layer_idx, self._slot_mapping, k, v)
         out = torch.empty_like(q)  # (T, num_heads, head_dim)
         if self._decode is not None:
             self._forward_decode(self._decode, q, k_cache, v_cache, out)
