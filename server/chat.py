@@ -21,7 +21,10 @@ def render_chat(
     """Applies the tokenizer's chat template and tokenizes the result."""
     if not getattr(ctx.tokenizer, "chat_template", None):
         raise OpenAIError(400, "this model has no chat template; use /v1/completions", "messages")
-    conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    conversation = [
+        {"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {})
+        for m in messages
+    ]
     try:
         text = ctx.tokenizer.apply_chat_template(
             conversation,
@@ -58,7 +61,7 @@ async def create_chat_completion(
         continue_final_message=bool(body.continue_final_message),
     )
     params = sampling_params(body, len(prompt), ctx.max_model_len, ctx.vocab_size)
-    choices = make_choices([prompt], [params])
+    choices = make_choices([prompt], [params], body.user)
     response_id = f"chatcmpl-{request_id}"
     if body.stream:
         return _stream(ctx, body, choices, request_id, response_id)

@@ -83,7 +83,7 @@ async def create_completion(
 ) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
     prompts = tokenize_prompts(ctx, body.prompt)
     params = [sampling_params(body, len(p), ctx.max_model_len, ctx.vocab_size) for p in prompts]
-    choices = make_choices(prompts, params)
+    choices = make_choices(prompts, params, body.user)
     response_id = f"cmpl-{request_id}"
     if body.stream:
         return _stream(ctx, body, choices, request_id, response_id)

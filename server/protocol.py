@@ -144,6 +144,7 @@ class ChatCompletionRequest(SamplingFields):
                 "reasoning_effort": (),
                 "service_tier": ("auto", "default"),
                 "store": (False,),
+                "metadata": (),  # only meaningful with store
                 "web_search_options": (),
             },
         )

@@ -28,6 +28,8 @@ class Choice:
     prompt_ids: list[int]
     params: SamplingParams
     first_of_prompt: bool
+    # The client's end-user id (OpenAI's `user`), logged with the request.
+    user: str | None = None
     tracker: RequestTracker | None = None
 
 
@@ -49,11 +51,14 @@ class ServingContext:
         return text
 
 
-def make_choices(prompts: list[list[int]], params: list[SamplingParams]) -> list[Choice]:
+def make_choices(
+    prompts: list[list[int]], params: list[SamplingParams], user: str | None
+) -> list[Choice]:
     choices = []
     for p, (ids, prompt_params) in enumerate(zip(prompts, params, strict=True)):
         for i in range(prompt_params.n):
-            choices.append(Choice(p * prompt_params.n + i, ids, prompt_params.for_child(i), i == 0))
+            child = prompt_params.for_child(i)
+            choices.append(Choice(p * prompt_params.n + i, ids, child, i == 0, user))
     return choices
 
 
@@ -85,16 +90,19 @@ async def run_choice(
         if not tracker.finished:
             timer.on_finish("abort", choice.first_of_prompt)
         if ctx.log_requests:
-            log_request(engine_id, tracker, timer)
+            log_request(engine_id, choice.user, tracker, timer)
 
 
-def log_request(engine_id: str, tracker: RequestTracker, timer: RequestTimer) -> None:
+def log_request(
+    engine_id: str, user: str | None, tracker: RequestTracker, timer: RequestTimer
+) -> None:
     """One line per engine request; never the prompt or completion text."""
     ttft = None if timer.first_token is None else round(timer.first_token - timer.start, 4)
     logger.info(
         "request finished",
         extra={
             "request_id": engine_id,
+            "user": user,
             "prompt_tokens": timer.num_prompt_tokens,
             "cached_tokens": tracker.num_cached_tokens,
             "output_tokens": len(tracker.token_ids),

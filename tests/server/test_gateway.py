@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -130,6 +131,7 @@ BAD_REQUESTS = [
     ),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "t10"}]}, 400, None),
     ("/v1/chat/completions", {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": USER, "metadata": {"k": "v"}}, 400, "metadata"),
 ]
 
 
@@ -229,3 +231,35 @@ def test_stop_string_aborts_and_never_leaks(tiny_server: LiveServer) -> None:
             if line.startswith("data:") and "[DONE]" not in line
         )
     assert streamed == stopped["text"]
+
+
+def test_one_log_line_per_request_without_its_text(
+    tiny_server: LiveServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    prompt = "t101 t102 t103 t104"
+    with caplog.at_level(logging.INFO, logger="pagedserve.requests"):
+        body = {"prompt": prompt, "max_tokens": 3, "n": 2, "user": "alice", "temperature": 0}
+        response = post(tiny_server, "/v1/completions", body, headers={"X-Request-Id": "log-me"})
+        deadline = time.monotonic() + 5
+        while len(caplog.records) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    records = [r for r in caplog.records if r.name == "pagedserve.requests"]
+    assert len(records) == 2  # one per engine request (n=2)
+    fields = (
+        "request_id",
+        "user",
+        "prompt_tokens",
+        "cached_tokens",
+        "output_tokens",
+        "ttft_s",
+        "total_s",
+        "finish_reason",
+    )
+    completion = response.json()["choices"][0]["text"]
+    for record in records:
+        values = {name: getattr(record, name) for name in fields}
+        assert values["request_id"].startswith("log-me-") and values["user"] == "alice"
+        assert (values["prompt_tokens"], values["output_tokens"]) == (4, 3)
+        assert values["finish_reason"] == "length" and values["ttft_s"] is not None
+        text = record.getMessage() + " ".join(str(v) for v in values.values())
+        assert prompt not in text and completion.strip() not in text
