@@ -37,25 +37,25 @@ def make_prompts(tokenizer, num: int, min_len: int, max_len: int, seed: int) -> 
 
 
 def run_pagedserve(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, object]:
-    from engine import LLM, SamplingParams
+    from engine import LLM, EngineHooks, SamplingParams
 
     llm = LLM(
         args.model,
+        hooks=EngineHooks(profile=True),
         dtype=args.dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         attention_backend=args.attention_backend,
-        profile=True,
     )
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
-    llm.engine.profiler.totals.clear()
+    llm.core.runner.profiler.totals.clear()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    profile = llm.engine.profiler.report()
+    profile = llm.core.runner.profiler.report()
     profile["scheduler+output"] = elapsed - sum(
         v for k, v in profile.items() if k in ("metadata", "forward", "sampling")
     )
@@ -64,7 +64,7 @@ def run_pagedserve(args: argparse.Namespace, prompts: list[list[int]]) -> dict[s
         "seconds": elapsed,
         "tokens_per_s": tokens / elapsed,
         "profile_s": profile,
-        "model_path": str(llm.config.model_path),
+        "model_path": str(llm.config.model.path),
     }
 
 
@@ -124,7 +124,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from engine.models.default_model import prepare_default_model
+    from engine import prepare_default_model
 
     model_path = args.model or str(prepare_default_model())
     tokenizer = AutoTokenizer.from_pretrained(model_path)

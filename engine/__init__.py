@@ -1,19 +1,51 @@
 """pagedserve's engine: scheduling, the paged KV cache and model execution. No HTTP here.
 
-`from engine import LLM, SamplingParams` is the offline API. LLM is imported lazily so
-the pure-Python parts (scheduler, KV cache) load without torch.
+This module is the engine's public API; callers (the HTTP gateway among them) import
+nothing else. `LLM` is the offline face, `AsyncLLM` the asyncio one; both take
+EngineArgs fields and yield RequestOutputs. They are imported lazily, so the pure-Python
+parts (scheduler, KV cache, configs) load without torch.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from engine.sampling_params import SamplingParams
+from engine.config import EngineArgs, EngineHooks
+from engine.errors import EngineDeadError, RequestValidationError
+from engine.models.default_model import DEFAULT_MODEL_NAME, prepare_default_model
+from engine.outputs import (
+    CompletionOutput,
+    FinishedRequestStats,
+    IterationStats,
+    Logprobs,
+    RequestOutput,
+)
+from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.scheduler.output import SchedulerStats
 
 if TYPE_CHECKING:
+    from engine.async_llm import AsyncLLM, StatsListener
     from engine.llm import LLM
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = [
+    "DEFAULT_MODEL_NAME",
+    "LLM",
+    "AsyncLLM",
+    "CompletionOutput",
+    "EngineArgs",
+    "EngineDeadError",
+    "EngineHooks",
+    "FinishedRequestStats",
+    "IterationStats",
+    "Logprobs",
+    "RequestOutput",
+    "RequestOutputKind",
+    "RequestValidationError",
+    "SamplingParams",
+    "SchedulerStats",
+    "StatsListener",
+    "prepare_default_model",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -21,4 +53,8 @@ def __getattr__(name: str) -> Any:
         from engine.llm import LLM
 
         return LLM
+    if name in ("AsyncLLM", "StatsListener"):
+        from engine import async_llm
+
+        return getattr(async_llm, name)
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

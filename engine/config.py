@@ -1,8 +1,103 @@
-"""Frozen engine configuration. Derived values come from factories, never later patches."""
+"""Engine configuration: what a user may set (EngineArgs) and what the engine decided.
+
+EngineArgs is the one place engine defaults live; the CLI's engine flags are generated from
+its fields (their `help` metadata included). The frozen configs below are derived once, by
+`resolve_model_config` here and by the worker for device-specific values, and never patched
+afterwards. Pure Python: the device-dependent decisions happen in engine.worker.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.models.arch import ModelArch
+from engine.models.hf_config import eos_token_ids, load_hf_config, resolve_model_path
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu-native", "flashinfer")
+# The step's token budget when --max-num-batched-tokens is not given.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 512, "cuda": 8192}
+
+
+def _arg(default: Any, help: str, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """What a user may set. None means "derive it" (the help text says from what)."""
+
+    model: str | None = _arg(
+        None,
+        "local Hugging Face model directory or .gguf file (default: the bundled "
+        "SmolLM2-135M-Instruct)",
+        positional=True,
+    )
+    dtype: str = _arg("auto", "weights and KV cache dtype", choices=DTYPES)
+    device: str = _arg("auto", "auto, cpu or cuda")
+    block_size: int = _arg(16, "tokens per KV cache block")
+    max_num_seqs: int = _arg(64, "most requests in one step")
+    max_num_batched_tokens: int | None = _arg(
+        None, "token budget of one step (default: 512 on CPU, 8192 on GPU)"
+    )
+    max_model_len: int | None = _arg(None, "longest prompt plus output (default: the model's)")
+    num_kv_blocks: int | None = _arg(None, "KV cache blocks (overrides the memory budgets)")
+    kv_cache_memory: int | None = _arg(
+        None, "KV cache bytes on CPU, e.g. 4GiB (default 4GiB)", unit="bytes"
+    )
+    gpu_memory_utilization: float = _arg(0.9, "share of GPU memory for the engine")
+    enable_prefix_caching: bool = _arg(True, "automatic prefix caching")
+    attention_backend: str = _arg(
+        "auto", "paged attention implementation", choices=ATTENTION_BACKENDS
+    )
+    enforce_eager: bool = _arg(False, "CUDA only: run decode steps without CUDA graphs")
+    num_threads: int | None = _arg(None, "torch CPU threads (default: the CPUs available)")
+
+
+@dataclass(frozen=True)
+class EngineHooks:
+    """Instrumentation for tests and benchmarks, in one place; production sets none of it."""
+
+    # Verify the KV block pool after every step (slow).
+    check_invariants: bool = False
+    # Fault injection: the step after this many raises.
+    fail_after_steps: int | None = None
+    # Accumulate where step time goes (see engine.worker.step_profiler).
+    profile: bool = False
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: Path  # a Hugging Face directory (config.json, tokenizer, weights or the GGUF file)
+    gguf_file: str | None
+    arch: ModelArch
+    max_model_len: int
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def weights(self) -> Path:
+        return self.path / self.gguf_file if self.gguf_file else self.path
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Decided by the worker from EngineArgs and the machine."""
+
+    device: str  # "cpu", "cuda" or "cuda:N"
+    dtype: str  # "float32", "bfloat16" or "float16"
+    attention_backend: str  # concrete: "torch", "cpu-native" or "flashinfer"
+    num_threads: int  # CPU: torch threads for steps big enough to use them
+    # Batch sizes of the captured decode graphs; empty when steps run eagerly.
+    cuda_graph_sizes: tuple[int, ...] = ()
+
+    @property
+    def device_type(self) -> str:
+        return self.device.split(":")[0]
 
 
 @dataclass(frozen=True)
@@ -38,6 +133,66 @@ class CacheConfig:
         if self.num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {self.num_blocks}")
 
-    @property
-    def num_slots(self) -> int:
-        return self.block_size * self.num_blocks
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything decided: the engine runs from this alone."""
+
+    model: ModelConfig
+    device: DeviceConfig
+    scheduler: SchedulerConfig
+    cache: CacheConfig
+
+    def describe(self) -> str:
+        """One line for the startup log."""
+        d, c = self.device, self.cache
+        graphs = f", CUDA graphs for decode batches {list(d.cuda_graph_sizes)}"
+        return (
+            f"{self.model.name} on {d.device} in {d.dtype}, attention {d.attention_backend}, "
+            f"{c.num_blocks} KV blocks of {c.block_size} tokens, max_model_len "
+            f"{self.scheduler.max_model_len}, step budget {self.scheduler.max_num_batched_tokens} "
+            f"tokens" + (graphs if d.cuda_graph_sizes else "")
+        )
+
+
+def resolve_model_config(args: EngineArgs) -> ModelConfig:
+    """Finds the model (preparing the bundled one when none is given) and reads its config."""
+    if args.model is None:
+        from engine.models.default_model import prepare_default_model
+
+        model: str | Path = prepare_default_model()
+    else:
+        model = args.model
+    folder, gguf_file = resolve_model_path(model)
+    hf_config = load_hf_config(folder, gguf_file)
+    arch = ModelArch.from_hf_config(hf_config, eos_token_ids(folder, hf_config))
+    return ModelConfig(folder, gguf_file, arch, _max_model_len(args.max_model_len, arch))
+
+
+def resolve_scheduler_config(
+    args: EngineArgs, model: ModelConfig, device_type: str
+) -> SchedulerConfig:
+    budget = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS[device_type]
+    return SchedulerConfig(args.max_num_seqs, budget, model.max_model_len)
+
+
+def _max_model_len(requested: int | None, arch: ModelArch) -> int:
+    limit = arch.max_position_embeddings
+    if arch.sliding_window is not None:
+        limit = min(limit, arch.sliding_window)
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(
+            f"max_model_len {requested} exceeds what the model supports ({limit}"
+            + (", its sliding window" if arch.sliding_window == limit else "")
+            + ")"
+        )
+    return requested
+
+
+def load_tokenizer(model: ModelConfig) -> Any:
+    """The model's Hugging Face tokenizer, from its directory (or GGUF file)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model.path, gguf_file=model.gguf_file)

@@ -1,40 +1,96 @@
-"""EngineCore: one scheduling step at a time. Not thread-safe; the caller serialises."""
+"""EngineCore: one scheduling step at a time. Not thread-safe; the caller serialises.
+
+`EngineCore.from_args` is where the parts are wired: the model's configuration, the worker
+(device, weights, KV cache size, model runner), and the scheduler over its KV cache manager.
+"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
-from engine.model_runner import ModelRunner
+from engine.config import (
+    CacheConfig,
+    EngineArgs,
+    EngineConfig,
+    EngineHooks,
+    resolve_model_config,
+    resolve_scheduler_config,
+)
+from engine.kv_cache import KVCacheManager
 from engine.request import Request
-from engine.scheduler import Scheduler, StepResult
+from engine.scheduler import Scheduler, SchedulerStats, StepResult
+from engine.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 
 class EngineCore:
     def __init__(
-        self, scheduler: Scheduler, runner: ModelRunner, check_invariants: bool = False
+        self,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        config: EngineConfig,
+        hooks: EngineHooks | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
-        self.check_invariants = check_invariants
+        self.config = config
+        self.hooks = hooks or EngineHooks()
+        self.num_steps = 0
+
+    @classmethod
+    def from_args(cls, args: EngineArgs, hooks: EngineHooks | None = None) -> EngineCore:
+        """Loads the model and builds every part; raises ValueError for a setting that
+        cannot work (and FileNotFoundError for a missing model)."""
+        from engine.worker.worker import Worker
+
+        hooks = hooks or EngineHooks()
+        model_config = resolve_model_config(args)
+        worker = Worker(args, model_config)
+        scheduler_config = resolve_scheduler_config(
+            args, model_config, worker.device_config.device_type
+        )
+        cache_config = CacheConfig(
+            args.block_size,
+            worker.num_kv_blocks(args, scheduler_config),
+            args.enable_prefix_caching,
+        )
+        config = EngineConfig(model_config, worker.device_config, scheduler_config, cache_config)
+        logger.info("engine: %s", config.describe())
+        runner = worker.create_runner(cache_config, hooks.profile)
+        kv_manager = KVCacheManager(
+            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        return cls(Scheduler(scheduler_config, kv_manager), runner, config, hooks)
 
     def add_request(self, request: Request) -> None:
-        """Mutates: queues a request. Raises ValueError for one that can never run."""
+        """Queues one engine request (one choice: n == 1). Raises RequestValidationError for
+        a request that can never run."""
         if request.sampling_params.n != 1:
             raise ValueError("EngineCore takes n=1 requests; fan out with SamplingParams.for_child")
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
-        """Mutates: ends the requests and frees their blocks; unknown ids are ignored."""
+        """Ends the requests and frees their blocks; unknown or finished ids are ignored."""
         return self.scheduler.finish_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def stats(self) -> SchedulerStats:
+        """The scheduler's gauges now (and its counters since the last step or call)."""
+        return self.scheduler.stats()
+
     def step(self) -> StepResult:
-        """Mutates: schedules, runs the model and applies its output."""
+        """Schedules, runs the model and applies its output."""
+        fail_after = self.hooks.fail_after_steps
+        if fail_after is not None and self.num_steps >= fail_after:
+            raise RuntimeError("injected engine step failure (test hook)")
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute(scheduler_output)
         result = self.scheduler.update_from_output(scheduler_output, runner_output)
-        if self.check_invariants:
+        if self.hooks.check_invariants:
             self.scheduler.kv_cache.check_invariants()
+        self.num_steps += 1
         return result

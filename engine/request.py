@@ -85,6 +85,5 @@ class Request:
         return self.status.finished
 
     def append_output_token(self, token_id: int) -> None:
-        """Mutates: records one sampled token."""
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, replace
+
+from engine.errors import RequestValidationError
 
 # Sampling with temperature below this is treated as greedy, as vLLM does.
 GREEDY_EPSILON = 1e-5
+
+
+class RequestOutputKind(enum.Enum):
+    """How much of a request's result each output carries (see engine.outputs)."""
+
+    CUMULATIVE = "cumulative"  # everything so far
+    DELTA = "delta"  # only what is new since the previous output
+    FINAL_ONLY = "final_only"  # nothing until the request ends, then everything
 
 
 @dataclass(frozen=True)
@@ -15,7 +26,7 @@ class SamplingParams:
     `top_k <= 0` and `top_p == 1.0` disable those filters. `logprobs` is the number of
     top alternatives returned beside the sampled token (None: no logprobs at all).
     `stop` strings are matched on detokenized text by the output processor, not by the
-    scheduler.
+    scheduler. Invalid values raise RequestValidationError naming the field.
     """
 
     n: int = 1
@@ -37,6 +48,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -63,47 +75,68 @@ class SamplingParams:
         )
 
     def validate(self) -> None:
-        """Raise ValueError with a user-facing message for an out-of-range field."""
-        checks: list[tuple[bool, str]] = [
-            (self.n >= 1, f"n must be at least 1, got {self.n}"),
-            (self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}"),
-            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k >= -1, f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}"),
-            (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
+        """Raises RequestValidationError, naming the field, for an out-of-range value."""
+        checks: list[tuple[bool, str, str]] = [
+            (self.n >= 1, "n", f"n must be at least 1, got {self.n}"),
+            (
+                self.temperature >= 0.0,
+                "temperature",
+                f"temperature must be non-negative, got {self.temperature}",
+            ),
+            (0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}"),
+            (
+                self.top_k >= -1,
+                "top_k",
+                f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}",
+            ),
+            (0.0 <= self.min_p <= 1.0, "min_p", f"min_p must be in [0, 1], got {self.min_p}"),
             (
                 -2.0 <= self.presence_penalty <= 2.0,
+                "presence_penalty",
                 f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
             ),
             (
                 -2.0 <= self.frequency_penalty <= 2.0,
+                "frequency_penalty",
                 f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
             ),
             (
                 self.repetition_penalty > 0.0,
+                "repetition_penalty",
                 f"repetition_penalty must be positive, got {self.repetition_penalty}",
             ),
             (
                 self.max_tokens is None or self.max_tokens >= 1,
+                "max_tokens",
                 f"max_tokens must be at least 1, got {self.max_tokens}",
             ),
-            (self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}"),
+            (
+                self.min_tokens >= 0,
+                "min_tokens",
+                f"min_tokens must be non-negative, got {self.min_tokens}",
+            ),
             (
                 self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                "min_tokens",
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
             ),
             (
                 self.logprobs is None or 0 <= self.logprobs <= 20,
+                "logprobs",
                 f"logprobs must be in [0, 20], got {self.logprobs}",
             ),
             (
                 self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+                "prompt_logprobs",
                 f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}",
             ),
-            (all(s for s in self.stop), "stop strings must not be empty"),
+            (all(s for s in self.stop), "stop", "stop strings must not be empty"),
         ]
-        for ok, message in checks:
+        for ok, param, message in checks:
             if not ok:
-                raise ValueError(message)
+                raise RequestValidationError(message, param)
         for token_id, bias in (self.logit_bias or {}).items():
             if not -100.0 <= bias <= 100.0:
-                raise ValueError(f"logit_bias for token {token_id} must be in [-100, 100]")
+                raise RequestValidationError(
+                    f"logit_bias for token {token_id} must be in [-100, 100]", "logit_bias"
+                )

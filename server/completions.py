@@ -5,12 +5,21 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from engine.output_processor import Delta
-from engine.scheduler.output import Logprobs
+from engine import Logprobs
 from server.errors import OpenAIError
 from server.params import check_token_ids, sampling_params
 from server.protocol import CompletionRequest
-from server.serving import Choice, ServingContext, collect, make_choices, merge, now, usage
+from server.serving import (
+    Choice,
+    PromptRun,
+    ServingContext,
+    make_runs,
+    now,
+    response_body,
+    run_to_completion,
+    stream_outputs,
+    usage,
+)
 
 
 def tokenize_prompts(
@@ -71,11 +80,10 @@ class CompletionLogprobs:
         }
 
 
-def _echo_logprobs(ctx: ServingContext, choice: Choice) -> CompletionLogprobs:
+def _echo_logprobs(ctx: ServingContext, run: PromptRun) -> CompletionLogprobs:
     """Logprobs of the echoed prompt: the first token unscored, the rest from the engine."""
-    assert choice.tracker is not None
-    logprobs = CompletionLogprobs(ctx, 0).add_unscored(choice.prompt_ids[0])
-    return logprobs.add(choice.tracker.prompt_logprobs)
+    logprobs = CompletionLogprobs(ctx, 0).add_unscored(run.prompt_ids[0])
+    return logprobs.add(run.prompt_logprobs or [])
 
 
 async def create_completion(
@@ -83,42 +91,36 @@ async def create_completion(
 ) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
     prompts = tokenize_prompts(ctx, body.prompt)
     params = [sampling_params(body, len(p), ctx.max_model_len, ctx.vocab_size) for p in prompts]
-    choices = make_choices(prompts, params, body.user)
+    runs = make_runs(prompts, params)
     response_id = f"cmpl-{request_id}"
     if body.stream:
-        return _stream(ctx, body, choices, request_id, response_id)
-    return await collect(
-        ctx,
-        choices,
-        request_id,
-        body.cache_salt,
-        response_id,
-        "text_completion",
-        lambda choice: _final_choice(ctx, body, choice),
-    )
+        return _stream(ctx, body, runs, request_id, response_id)
+    await run_to_completion(ctx, runs, request_id, body.cache_salt, body.user)
+    choices = [_final_choice(ctx, body, run, c) for run in runs for c in run.choices]
+    return response_body(ctx, response_id, "text_completion", choices, runs)
 
 
-def _final_choice(ctx: ServingContext, body: CompletionRequest, choice: Choice) -> dict[str, Any]:
-    tracker = choice.tracker
-    assert tracker is not None
-    prompt_text = ctx.tokenizer.decode(choice.prompt_ids) if body.echo else ""
+def _final_choice(
+    ctx: ServingContext, body: CompletionRequest, run: PromptRun, choice: Choice
+) -> dict[str, Any]:
+    prompt_text = ctx.tokenizer.decode(run.prompt_ids) if body.echo else ""
     logprobs = None
     if body.logprobs is not None:
-        lp = _echo_logprobs(ctx, choice) if body.echo else CompletionLogprobs(ctx, 0)
-        logprobs = lp.add(tracker.logprobs).as_dict()
+        lp = _echo_logprobs(ctx, run) if body.echo else CompletionLogprobs(ctx, 0)
+        logprobs = lp.add(choice.logprobs).as_dict()
     return {
         "index": choice.index,
-        "text": prompt_text + tracker.text,
+        "text": prompt_text + choice.text,
         "logprobs": logprobs,
-        "finish_reason": tracker.finish_reason,
-        "stop_reason": tracker.stop_reason,
+        "finish_reason": choice.finish_reason,
+        "stop_reason": choice.stop_reason,
     }
 
 
 async def _stream(
     ctx: ServingContext,
     body: CompletionRequest,
-    choices: list[Choice],
+    runs: list[PromptRun],
     request_id: str,
     response_id: str,
 ) -> AsyncIterator[dict[str, Any]]:
@@ -138,36 +140,29 @@ async def _stream(
         return out
 
     echoed: set[int] = set()
-    async for choice, delta in merge(ctx, choices, request_id, body.cache_salt):
-        text = delta.text
-        logprobs = None
-        if body.echo and choice.index not in echoed:
-            echoed.add(choice.index)
-            text = ctx.tokenizer.decode(choice.prompt_ids) + text
-        if body.logprobs is not None:
-            logprobs = _delta_logprobs(ctx, body, choice, delta)
-        yield chunk(
-            [
-                {
-                    "index": choice.index,
-                    "text": text,
-                    "logprobs": logprobs,
-                    "finish_reason": delta.finish_reason,
-                    "stop_reason": delta.stop_reason,
-                }
-            ]
-        )
+    outputs = stream_outputs(ctx, runs, request_id, body.cache_salt, body.user)
+    async for run, output in outputs:
+        for choice, delta in run.fold(output):
+            text, logprobs = delta.text, None
+            first = body.echo and choice.index not in echoed
+            if first:
+                echoed.add(choice.index)
+                text = ctx.tokenizer.decode(run.prompt_ids) + text
+            if body.logprobs is not None:
+                lp = _echo_logprobs(ctx, run) if first else CompletionLogprobs(ctx, 0)
+                logprobs = lp.add(delta.logprobs or []).as_dict()
+            yield chunk(
+                [
+                    {
+                        "index": choice.index,
+                        "text": text,
+                        "logprobs": logprobs,
+                        "finish_reason": delta.finish_reason,
+                        "stop_reason": delta.stop_reason,
+                    }
+                ]
+            )
     if include_usage:
         final = chunk([])
-        final["usage"] = usage(choices)
+        final["usage"] = usage(runs)
         yield final
-
-
-def _delta_logprobs(
-    ctx: ServingContext, body: CompletionRequest, choice: Choice, delta: Delta
-) -> dict[str, Any]:
-    assert choice.tracker is not None
-    emitted = len(choice.tracker.logprobs) - len(delta.logprobs)
-    first = body.echo and emitted == 0
-    lp = _echo_logprobs(ctx, choice) if first else CompletionLogprobs(ctx, 0)
-    return lp.add(delta.logprobs).as_dict()

@@ -5,13 +5,14 @@ Every series carries `model_name`. The registry belongs to the app: no global st
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+import logging
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from engine.scheduler.output import SchedulerStats
+from engine import FinishedRequestStats, IterationStats, SchedulerStats
+
+request_logger = logging.getLogger("pagedserve.requests")
 
 # Buckets span a fast GPU (milliseconds) and a small CPU box (tens of seconds).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -26,11 +27,17 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        registry: CollectorRegistry | None = None,
+        log_requests: bool = True,
+    ) -> None:
         # vLLM exposes no `_created` series; neither do we (a prometheus_client switch).
         prometheus_client.disable_created_metrics()
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
+        self.log_requests = log_requests
         gauge, counter, hist = self._gauge, self._counter, self._histogram
         self.running = gauge("vllm:num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
@@ -95,7 +102,7 @@ class ServerMetrics:
         labels = (self.model_name, str(block_size), str(num_blocks), str(prefix_caching).lower())
         self.cache_config.labels(*labels).set(1)
 
-    def observe_step(self, stats: SchedulerStats) -> None:
+    def record(self, stats: SchedulerStats, iteration: IterationStats) -> None:
         """The engine's stats listener: runs on the event loop after every step."""
         name = self.model_name
         self.running.labels(name).set(stats.num_running)
@@ -106,46 +113,45 @@ class ServerMetrics:
         self.preemptions.labels(name).inc(stats.num_preemptions)
         if stats.num_scheduled_tokens:
             self.iteration_tokens.labels(name).observe(stats.num_scheduled_tokens)
+        if iteration.num_generation_tokens:
+            self.generation_tokens.labels(name).inc(iteration.num_generation_tokens)
+        for value in iteration.time_to_first_tokens:
+            self.ttft.labels(name).observe(value)
+        for value in iteration.inter_token_latencies:
+            self.itl.labels(name).observe(value)
+        for value in iteration.queue_times:
+            self.queue_time.labels(name).observe(value)
+        for finished in iteration.finished:
+            self._record_finished(finished)
+
+    def _record_finished(self, finished: FinishedRequestStats) -> None:
+        name = self.model_name
+        self.e2e.labels(name).observe(finished.e2e_latency)
+        self.success.labels(name, finished.finish_reason).inc()
+        self.request_generation_tokens.labels(name).observe(finished.num_generation_tokens)
+        # Usage counts a prompt once, however many choices it has.
+        if finished.first_of_prompt:
+            self.prompt_tokens.labels(name).inc(finished.num_prompt_tokens)
+            self.request_prompt_tokens.labels(name).observe(finished.num_prompt_tokens)
+        if self.log_requests:
+            log_request(finished)
 
     def count_error(self, status: int) -> None:
         self.errors.labels(self.model_name, str(status)).inc()
 
-    def request(self, num_prompt_tokens: int) -> RequestTimer:
-        return RequestTimer(self, num_prompt_tokens)
 
-
-@dataclass
-class RequestTimer:
-    """Latency bookkeeping for one engine request (one choice)."""
-
-    metrics: ServerMetrics
-    num_prompt_tokens: int
-    start: float = field(default_factory=time.monotonic)
-    first_token: float | None = None
-    last_token: float | None = None
-    num_tokens: int = 0
-
-    def on_tokens(self, count: int, queue_time: float | None) -> None:
-        if count == 0:
-            return
-        m, name, now = self.metrics, self.metrics.model_name, time.monotonic()
-        if self.last_token is None:
-            self.first_token = now
-            m.ttft.labels(name).observe(now - self.start)
-        else:
-            m.itl.labels(name).observe(now - self.last_token)
-        if queue_time is not None:
-            m.queue_time.labels(name).observe(queue_time)
-        m.generation_tokens.labels(name).inc(count)
-        self.last_token = now
-        self.num_tokens += count
-
-    def on_finish(self, finish_reason: str, count_prompt: bool) -> None:
-        """`count_prompt` is False for the 2nd..nth choice of one prompt: usage counts it once."""
-        m, name = self.metrics, self.metrics.model_name
-        m.e2e.labels(name).observe(time.monotonic() - self.start)
-        m.success.labels(name, finish_reason).inc()
-        m.request_generation_tokens.labels(name).observe(self.num_tokens)
-        if count_prompt:
-            m.prompt_tokens.labels(name).inc(self.num_prompt_tokens)
-            m.request_prompt_tokens.labels(name).observe(self.num_prompt_tokens)
+def log_request(finished: FinishedRequestStats) -> None:
+    """One line per engine request (one choice); never the prompt or completion text."""
+    request_logger.info(
+        "request finished",
+        extra={
+            "request_id": finished.request_id,
+            "user": finished.labels.get("user"),
+            "prompt_tokens": finished.num_prompt_tokens,
+            "cached_tokens": finished.num_cached_tokens,
+            "output_tokens": finished.num_generation_tokens,
+            "ttft_s": None if finished.ttft is None else round(finished.ttft, 4),
+            "total_s": round(finished.e2e_latency, 4),
+            "finish_reason": finished.finish_reason,
+        },
+    )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.sampling_params import SamplingParams
+from engine import RequestOutputKind, RequestValidationError, SamplingParams
 from server.errors import OpenAIError
 from server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
@@ -50,7 +50,8 @@ def sampling_params(
     max_model_len: int,
     vocab_size: int,
 ) -> SamplingParams:
-    """Validates every sampling field; the first bad one becomes a 400 naming it."""
+    """Validates every sampling field; the first bad one becomes a 400 naming it. Streams get
+    DELTA outputs, other requests one final output."""
     if isinstance(body, ChatCompletionRequest):
         max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -84,6 +85,7 @@ def sampling_params(
         "stop_token_ids": body.stop_token_ids,
     }
     given = {k: v for k, v in fields.items() if v is not None}
+    kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
     try:
         return SamplingParams(
             **given,
@@ -91,8 +93,17 @@ def sampling_params(
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             logit_bias=_logit_bias(body, vocab_size),
+            output_kind=kind,
         )
-    except ValueError as exc:
-        message = str(exc)
-        param = message.split(" ", 1)[0] if message.split(" ", 1)[0] in given else None
-        raise OpenAIError(400, message, param) from None
+    except RequestValidationError as exc:
+        raise OpenAIError(400, str(exc), _openai_param(body, exc.param)) from None
+
+
+def _openai_param(body: CompletionRequest | ChatCompletionRequest, param: str | None) -> str | None:
+    """The request field behind an engine parameter, as this endpoint names it."""
+    if isinstance(body, ChatCompletionRequest):
+        if param == "logprobs":
+            return "top_logprobs"
+        if param == "max_tokens" and body.max_tokens is None:
+            return "max_completion_tokens"
+    return param

@@ -6,16 +6,19 @@ run for up to --shutdown-timeout, then the process exits 0. A second signal exit
 
 from __future__ import annotations
 
-import argparse
 import asyncio
+import contextlib
 import logging
 import os
+import signal
+import threading
 import time
+from collections.abc import Iterator
 from types import FrameType
 
 import uvicorn
 
-from engine.factory import EngineArgs, create_engine
+from engine import AsyncLLM, EngineArgs, EngineHooks
 from server.app import create_app
 from server.logging_setup import configure_logging
 from server.settings import AppState, Phase, ServerSettings
@@ -41,6 +44,23 @@ class DrainingServer(uvicorn.Server):
             return True
         return await super().on_tick(counter)
 
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """SIGTERM and SIGINT through the event loop's own signal handling, so the handler
+        runs as a loop callback (where it may start the drain task), not between bytecodes."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        loop = asyncio.get_running_loop()
+        signals = (signal.SIGINT, signal.SIGTERM)
+        for sig in signals:
+            loop.add_signal_handler(sig, self.handle_exit, sig, None)
+        try:
+            yield
+        finally:
+            for sig in signals:
+                loop.remove_signal_handler(sig)
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._drain_task is not None or self.state.phase is not Phase.READY:
             logger.warning("second shutdown signal or not serving: exiting now")
@@ -51,7 +71,7 @@ class DrainingServer(uvicorn.Server):
             "shutdown signal: draining for up to %.0fs", self.state.settings.shutdown_timeout
         )
         self.state.phase = Phase.DRAINING
-        self._drain_task = asyncio.get_event_loop().create_task(self._drain())
+        self._drain_task = asyncio.get_running_loop().create_task(self._drain())
 
     async def _drain(self) -> None:
         deadline = time.monotonic() + self.state.settings.shutdown_timeout
@@ -64,47 +84,11 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def settings_from_args(args: argparse.Namespace) -> tuple[ServerSettings, EngineArgs]:
-    settings = ServerSettings(
-        host=args.host,
-        port=args.port,
-        served_model_name=args.served_model_name,
-        api_key=args.api_key or None,
-        shutdown_timeout=args.shutdown_timeout,
-        stall_timeout=args.stall_timeout,
-        max_request_bytes=args.max_request_bytes,
-        log_level=args.log_level,
-        log_format=args.log_format,
-        log_requests=args.log_requests,
-    )
-    engine_args = EngineArgs(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory=args.kv_cache_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        enable_prefix_caching=args.enable_prefix_caching,
-        attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager,
-        num_threads=args.num_threads,
-    )
-    return settings, engine_args
-
-
-def run_server(args: argparse.Namespace) -> int:
-    settings, engine_args = settings_from_args(args)
+def run_server(settings: ServerSettings, engine_args: EngineArgs) -> int:
     log_config = configure_logging(settings.log_level, settings.log_format)
     fail_after = os.environ.get(FAIL_AFTER_STEPS_ENV)
-    app = create_app(
-        lambda: create_engine(engine_args),
-        settings,
-        fail_after_steps=int(fail_after) if fail_after else None,
-    )
+    hooks = EngineHooks(fail_after_steps=int(fail_after) if fail_after else None)
+    app = create_app(lambda: AsyncLLM.from_engine_args(engine_args, hooks), settings)
     config = uvicorn.Config(
         app,
         host=settings.host,

@@ -1,48 +1,53 @@
-"""Completions and chat completions: run choices on the engine, stream or collect them."""
+"""Completions and chat completions: one engine request per prompt, streamed or collected.
+
+The engine yields per-prompt RequestOutputs whose choices already carry text deltas, finish
+reasons and logprobs; this module only merges a request's prompts, keeps the running totals
+usage needs, and frames SSE.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.async_engine import AsyncEngine, EngineDeadError
-from engine.output_processor import Delta, RequestTracker
-from engine.sampling_params import SamplingParams
+from engine import (
+    AsyncLLM,
+    CompletionOutput,
+    EngineDeadError,
+    RequestOutput,
+    RequestValidationError,
+    SamplingParams,
+)
 from server.errors import OpenAIError, error_body
-from server.metrics import RequestTimer, ServerMetrics
-
-logger = logging.getLogger("pagedserve.requests")
-
-
-@dataclass
-class Choice:
-    """One engine request: a prompt and the params of the i-th of n samples."""
-
-    index: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    first_of_prompt: bool
-    # The client's end-user id (OpenAI's `user`), logged with the request.
-    user: str | None = None
-    tracker: RequestTracker | None = None
+from server.metrics import ServerMetrics
 
 
 @dataclass
 class ServingContext:
-    engine: AsyncEngine
-    tokenizer: Any
+    """What the endpoints need: the engine, and the names and limits clients see."""
+
+    engine: AsyncLLM
     model_name: str
-    max_model_len: int
-    vocab_size: int
     metrics: ServerMetrics
-    log_requests: bool = True
     _token_text: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.config.scheduler.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.config.model.arch.vocab_size
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
@@ -51,130 +56,158 @@ class ServingContext:
         return text
 
 
-def make_choices(
-    prompts: list[list[int]], params: list[SamplingParams], user: str | None
-) -> list[Choice]:
-    choices = []
+@dataclass
+class Choice:
+    """One choice as the client sees it: the running totals of its deltas."""
+
+    index: int
+    text: str = ""
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class PromptRun:
+    """One prompt of a request and its n choices (indices index * n ...)."""
+
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    choices: list[Choice]
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[Any] | None = None
+
+    def fold(self, output: RequestOutput) -> list[tuple[Choice, CompletionOutput]]:
+        """Adds a DELTA output's choices to the totals; returns them, paired."""
+        self.num_cached_tokens = output.num_cached_tokens
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
+        pairs = []
+        for completion in output.outputs:
+            choice = self.choices[completion.index]
+            choice.text += completion.text
+            choice.num_tokens += len(completion.token_ids)
+            choice.logprobs += completion.logprobs or []
+            choice.finish_reason = completion.finish_reason
+            choice.stop_reason = completion.stop_reason
+            pairs.append((choice, completion))
+        return pairs
+
+
+def make_runs(prompts: list[list[int]], params: list[SamplingParams]) -> list[PromptRun]:
+    runs = []
     for p, (ids, prompt_params) in enumerate(zip(prompts, params, strict=True)):
-        for i in range(prompt_params.n):
-            child = prompt_params.for_child(i)
-            choices.append(Choice(p * prompt_params.n + i, ids, child, i == 0, user))
-    return choices
+        n = prompt_params.n
+        runs.append(PromptRun(p, ids, prompt_params, [Choice(p * n + i) for i in range(n)]))
+    return runs
 
 
-async def run_choice(
-    ctx: ServingContext, choice: Choice, request_id: str, cache_salt: str | None
-) -> AsyncIterator[Delta]:
-    """Yields the visible deltas of one choice; leaving early aborts the engine request."""
-    tracker = RequestTracker(ctx.tokenizer, choice.prompt_ids, choice.params)
-    choice.tracker = tracker
-    timer = ctx.metrics.request(len(choice.prompt_ids))
-    engine_id = f"{request_id}-{choice.index}-{uuid.uuid4().hex[:8]}"
-    stream = ctx.engine.generate(engine_id, choice.prompt_ids, choice.params, cache_salt)
+async def stream_outputs(
+    ctx: ServingContext,
+    runs: list[PromptRun],
+    request_id: str,
+    cache_salt: str | None,
+    user: str | None,
+) -> AsyncIterator[tuple[PromptRun, RequestOutput]]:
+    """Runs every prompt as one DELTA engine request and yields their outputs as they come.
+    Leaving early (client gone) aborts every prompt still running."""
+    streams = [
+        ctx.engine.generate(
+            run.prompt_ids,
+            run.params,
+            f"{request_id}-{run.index}-{uuid.uuid4().hex[:8]}",
+            cache_salt=cache_salt,
+            labels={"user": user} if user else None,
+        )
+        for run in runs
+    ]
     try:
-        async for out in stream:
-            delta = tracker.process(out)
-            timer.on_tokens(len(out.new_token_ids), out.queue_time)
-            if tracker.finished:
-                timer.on_finish(tracker.finish_reason or "stop", choice.first_of_prompt)
-                yield delta
-                return
-            if delta.text or delta.token_ids:
-                yield delta
-    except ValueError as exc:
-        raise OpenAIError(400, str(exc)) from None
+        async for i, output in _merge(streams):
+            yield runs[i], output
+    except RequestValidationError as exc:
+        raise OpenAIError(400, str(exc), exc.param) from None
     except EngineDeadError as exc:
         raise OpenAIError(500, str(exc), code="engine_dead") from None
-    finally:
-        await stream.aclose()
-        if not tracker.finished:
-            timer.on_finish("abort", choice.first_of_prompt)
-        if ctx.log_requests:
-            log_request(engine_id, choice.user, tracker, timer)
 
 
-def log_request(
-    engine_id: str, user: str | None, tracker: RequestTracker, timer: RequestTimer
-) -> None:
-    """One line per engine request; never the prompt or completion text."""
-    ttft = None if timer.first_token is None else round(timer.first_token - timer.start, 4)
-    logger.info(
-        "request finished",
-        extra={
-            "request_id": engine_id,
-            "user": user,
-            "prompt_tokens": timer.num_prompt_tokens,
-            "cached_tokens": tracker.num_cached_tokens,
-            "output_tokens": len(tracker.token_ids),
-            "ttft_s": ttft,
-            "total_s": round(time.monotonic() - timer.start, 4),
-            "finish_reason": tracker.finish_reason or "abort",
-        },
-    )
+async def _merge(
+    streams: list[AsyncIterator[RequestOutput]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleaves several engine streams as their outputs arrive; closing it closes (so
+    aborts) every stream."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as stream:  # type: ignore[type-var]
+            async for output in stream:
+                yield 0, output
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
-
-async def merge(
-    ctx: ServingContext, choices: list[Choice], request_id: str, salt: str | None
-) -> AsyncIterator[tuple[Choice, Delta]]:
-    """Interleaves the deltas of all choices as they arrive. Cancels the rest on exit."""
-    queue: asyncio.Queue[tuple[Choice, Delta | BaseException | None]] = asyncio.Queue()
-
-    async def pump(choice: Choice) -> None:
+    async def pump(i: int) -> None:
         try:
-            async for delta in run_choice(ctx, choice, request_id, salt):
-                queue.put_nowait((choice, delta))
-            queue.put_nowait((choice, None))
+            async with aclosing(streams[i]) as stream:  # type: ignore[type-var]
+                async for output in stream:
+                    queue.put_nowait((i, output))
+            queue.put_nowait((i, None))
         except Exception as exc:
-            queue.put_nowait((choice, exc))
+            queue.put_nowait((i, exc))
 
-    tasks = [asyncio.create_task(pump(c)) for c in choices]
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(streams))]
     try:
         remaining = len(tasks)
         while remaining:
-            choice, item = await queue.get()
+            i, item = await queue.get()
             if item is None:
                 remaining -= 1
             elif isinstance(item, BaseException):
                 raise item
             else:
-                yield choice, item
+                yield i, item
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def collect(
+async def run_to_completion(
     ctx: ServingContext,
-    choices: list[Choice],
+    runs: list[PromptRun],
     request_id: str,
-    salt: str | None,
-    response_id: str,
-    obj: str,
-    final_choice: Callable[[Choice], dict[str, Any]],
-) -> dict[str, Any]:
-    """Runs every choice to completion, then builds the non-streamed response body."""
-    async for _ in merge(ctx, choices, request_id, salt):
-        pass
-    return {
-        "id": response_id,
-        "object": obj,
-        "created": now(),
-        "model": ctx.model_name,
-        "choices": [final_choice(c) for c in choices],
-        "usage": usage(choices),
-    }
+    cache_salt: str | None,
+    user: str | None,
+) -> None:
+    """Mutates `runs`: every choice's final text, logprobs and finish reason."""
+    async for run, output in stream_outputs(ctx, runs, request_id, cache_salt, user):
+        run.fold(output)
 
 
-def usage(choices: list[Choice]) -> dict[str, Any]:
-    prompt = sum(len(c.prompt_ids) for c in choices if c.first_of_prompt)
-    cached = sum(c.tracker.num_cached_tokens for c in choices if c.first_of_prompt and c.tracker)
-    completion = sum(len(c.tracker.token_ids) for c in choices if c.tracker)
+def usage(runs: list[PromptRun]) -> dict[str, Any]:
+    prompt = sum(len(run.prompt_ids) for run in runs)
+    cached = sum(run.num_cached_tokens for run in runs)
+    completion = sum(c.num_tokens for run in runs for c in run.choices)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def response_body(
+    ctx: ServingContext,
+    response_id: str,
+    obj: str,
+    choices: list[dict[str, Any]],
+    runs: list[PromptRun],
+) -> dict[str, Any]:
+    return {
+        "id": response_id,
+        "object": obj,
+        "created": now(),
+        "model": ctx.model_name,
+        "choices": choices,
+        "usage": usage(runs),
     }
 
 

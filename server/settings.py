@@ -8,7 +8,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.factory import Engine
 from server.serving import ServingContext
 
 
@@ -17,17 +16,33 @@ class ServerSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    host: str = "0.0.0.0"
-    port: int = Field(default=8000, ge=0, le=65535)
-    served_model_name: str | None = None
-    api_key: str | None = None
-    shutdown_timeout: float = Field(default=30.0, ge=0)
-    # Readiness fails when pending work has seen no finished step for this long.
-    stall_timeout: float = Field(default=60.0, gt=0)
-    max_request_bytes: int = Field(default=16 << 20, gt=0)
-    log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
-    log_format: Literal["text", "json"] = "text"
-    log_requests: bool = True
+    host: str = Field(default="0.0.0.0", description="address to listen on")
+    port: int = Field(default=8000, ge=0, le=65535, description="port to listen on")
+    served_model_name: str | None = Field(
+        default=None, description="model name clients use (default: the directory name)"
+    )
+    api_key: str | None = Field(
+        default=None, description="require this Bearer key on every endpoint but probes and metrics"
+    )
+    shutdown_timeout: float = Field(
+        default=30.0, ge=0, description="seconds in-flight requests get after SIGTERM"
+    )
+    stall_timeout: float = Field(
+        default=60.0,
+        gt=0,
+        description="readiness fails when pending work has seen no finished step for this long",
+    )
+    max_request_bytes: int = Field(
+        default=16 << 20,
+        gt=0,
+        description="largest accepted request body",
+        json_schema_extra={"unit": "bytes"},
+    )
+    log_level: Literal["debug", "info", "warning", "error", "critical"] = Field(
+        default="info", description="log level"
+    )
+    log_format: Literal["text", "json"] = Field(default="text", description="log line format")
+    log_requests: bool = Field(default=True, description="one log line per finished request")
 
 
 class Phase(enum.Enum):
@@ -43,18 +58,11 @@ class AppState:
     def __init__(self, settings: ServerSettings) -> None:
         self.settings = settings
         self.phase = Phase.LOADING
-        self.engine: Engine | None = None
+        # Set once the model is loaded: the engine and what the endpoints need beside it.
         self.serving: ServingContext | None = None
         self.load_error: BaseException | None = None
         self.in_flight = 0
         self.started = time.time()
-
-    def model_name(self) -> str:
-        if self.settings.served_model_name:
-            return self.settings.served_model_name
-        if self.engine is not None:
-            return self.engine.config.model_path.name
-        return "unknown"
 
     def liveness(self) -> tuple[bool, str]:
         """Alive while loading or serving; dead when loading failed or the engine loop died."""

@@ -14,8 +14,9 @@ import torch
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.flashinfer_backend import FlashInferAttentionBackend, select_gpu_backend
-from engine.attention.native_backend import NativeCpuAttentionBackend, native_kernels_available
+from engine.attention.native_backend import NativeCpuAttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
+from engine.ops.build import native_kernels_available
 
 BACKENDS = ("auto", "torch", "cpu-native", "flashinfer")
 

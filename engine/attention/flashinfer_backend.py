@@ -23,7 +23,6 @@ import logging
 from types import ModuleType
 from typing import Any
 
-import numpy as np
 import torch
 
 from engine.attention.backend import write_kv
@@ -80,17 +79,15 @@ def use_tensor_cores(num_heads: int, num_kv_heads: int) -> bool:
 
 
 def host_page_table(md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """qo_indptr, kv_indptr and kv_last_page_len as CPU int32 tensors, from the host copies.
-
-    FlashInfer plans on the host: given device tensors, plan() would copy them back, which
-    waits for the GPU. The values equal md.qo_indptr, md.kv_indptr and md.kv_last_page_len.
-    """
-    pages = -(-md.seq_lens // md.block_size)
-    qo_indptr = np.concatenate(([0], np.cumsum(md.query_lens)))
-    kv_indptr = np.concatenate(([0], np.cumsum(pages)))
-    last_page_len = md.seq_lens - (pages - 1) * md.block_size
-    qo, kv, last = (np.asarray(a, dtype=np.int32) for a in (qo_indptr, kv_indptr, last_page_len))
-    return torch.from_numpy(qo), torch.from_numpy(kv), torch.from_numpy(last)
+    """qo_indptr, kv_indptr and kv_last_page_len as CPU int32 tensors (views of the host
+    arrays): FlashInfer plans on the host, and given device tensors, plan() would copy them
+    back, which waits for the GPU."""
+    host = md.host
+    return (
+        torch.from_numpy(host.qo_indptr),
+        torch.from_numpy(host.kv_indptr),
+        torch.from_numpy(host.kv_last_page_len),
+    )
 
 
 class _PagedAttention:
@@ -235,7 +232,8 @@ class CudaGraphDecodeAttention(_PagedAttention):
         if metadata.num_reqs != self.batch_size or not metadata.is_decode_only:
             raise ValueError(
                 f"a graph of batch size {self.batch_size} replays decode-only steps of that "
-                f"size, not {metadata.num_reqs} requests of {metadata.query_lens.tolist()} tokens"
+                f"size, not {metadata.num_reqs} requests of "
+                f"{metadata.host.query_lens.tolist()} tokens"
             )
         self.slot_mapping.copy_(metadata.slot_mapping, non_blocking=True)
         self._plan_decode(self._wrapper, metadata)

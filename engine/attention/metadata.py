@@ -1,4 +1,4 @@
-"""Per-step attention metadata shared by every backend, built with vectorised numpy ops.
+"""Per-step attention metadata shared by every backend: built once on the host, uploaded once.
 
 For a step with two requests, block_size B = 4:
 
@@ -14,6 +14,10 @@ For a step with two requests, block_size B = 4:
                      = [2*4+1, 2*4+2, 2*4+3, 4*4+0, 4*4+1] = [9, 10, 11, 16, 17]
 
 These are exactly the arrays FlashInfer's paged wrappers plan with (NHD layout).
+`build_step_metadata` computes them with vectorised numpy (no loop over tokens) into a
+StepMetadata; `upload` turns that into the AttentionMetadata backends receive, which keeps
+the host arrays beside their device copies: backends that plan on the host (FlashInfer, the
+torch reference) read the former, kernels the latter. Nobody recomputes them.
 """
 
 from __future__ import annotations
@@ -26,18 +30,19 @@ import torch
 
 
 @dataclass(frozen=True)
-class AttentionMetadata:
+class StepMetadata:
+    """Host (numpy) arrays of one step, requests in batch order."""
+
     block_size: int
-    positions: torch.Tensor  # (num_tokens,) int64
-    slot_mapping: torch.Tensor  # (num_tokens,) int64
-    qo_indptr: torch.Tensor  # (num_reqs + 1,) int32
-    kv_indptr: torch.Tensor  # (num_reqs + 1,) int32
-    kv_indices: torch.Tensor  # (kv_indptr[-1],) int32
-    kv_last_page_len: torch.Tensor  # (num_reqs,) int32
-    # Host copies for backends that plan on the CPU.
     query_lens: np.ndarray  # (num_reqs,) int64
     seq_lens: np.ndarray  # (num_reqs,) int64: KV length after this step
     block_table: np.ndarray  # (num_reqs, max_pages) int64, zero padded
+    positions: np.ndarray  # (num_tokens,) int64
+    slot_mapping: np.ndarray  # (num_tokens,) int64
+    qo_indptr: np.ndarray  # (num_reqs + 1,) int32
+    kv_indptr: np.ndarray  # (num_reqs + 1,) int32
+    kv_indices: np.ndarray  # (kv_indptr[-1],) int32
+    kv_last_page_len: np.ndarray  # (num_reqs,) int32
 
     @property
     def num_reqs(self) -> int:
@@ -45,7 +50,7 @@ class AttentionMetadata:
 
     @property
     def num_tokens(self) -> int:
-        return int(self.positions.shape[0])
+        return len(self.positions)
 
     @property
     def num_computed(self) -> np.ndarray:
@@ -56,6 +61,46 @@ class AttentionMetadata:
         return bool((self.query_lens == 1).all())
 
 
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """A step's metadata on the device, with the host arrays it came from."""
+
+    host: StepMetadata
+    positions: torch.Tensor  # (num_tokens,) int64
+    slot_mapping: torch.Tensor  # (num_tokens,) int64
+    qo_indptr: torch.Tensor  # (num_reqs + 1,) int32
+    kv_indptr: torch.Tensor  # (num_reqs + 1,) int32
+    kv_indices: torch.Tensor  # (kv_indptr[-1],) int32
+    kv_last_page_len: torch.Tensor  # (num_reqs,) int32
+
+    @property
+    def block_size(self) -> int:
+        return self.host.block_size
+
+    @property
+    def num_reqs(self) -> int:
+        return self.host.num_reqs
+
+    @property
+    def num_tokens(self) -> int:
+        return self.host.num_tokens
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.host.is_decode_only
+
+
+# The device arrays, in the order `upload` hands them to a copy function.
+DEVICE_FIELDS = (
+    "positions",
+    "slot_mapping",
+    "qo_indptr",
+    "kv_indptr",
+    "kv_indices",
+    "kv_last_page_len",
+)
+
+
 def pad_block_table(block_ids: Sequence[Sequence[int]], num_pages: np.ndarray) -> np.ndarray:
     """(num_reqs, max_pages) array holding the first num_pages[r] block ids of each request."""
     table = np.zeros((len(block_ids), max(int(num_pages.max(initial=0)), 1)), dtype=np.int64)
@@ -64,13 +109,12 @@ def pad_block_table(block_ids: Sequence[Sequence[int]], num_pages: np.ndarray) -
     return table
 
 
-def build_attention_metadata(
+def build_step_metadata(
     num_computed: Sequence[int],
     num_new: Sequence[int],
     block_ids: Sequence[Sequence[int]],
     block_size: int,
-    device: torch.device | str = "cpu",
-) -> AttentionMetadata:
+) -> StepMetadata:
     """Flat-batch metadata for requests in batch order. No loop over tokens."""
     computed = np.asarray(num_computed, dtype=np.int64)
     query_lens = np.asarray(num_new, dtype=np.int64)
@@ -90,19 +134,40 @@ def build_attention_metadata(
     np.cumsum(num_pages, out=kv_indptr[1:])
     kv_indices = table[np.arange(table.shape[1])[None, :] < num_pages[:, None]]
     last_page_len = seq_lens - (num_pages - 1) * block_size
-
-    def int32(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a.astype(np.int32)).to(device)
-
-    return AttentionMetadata(
+    return StepMetadata(
         block_size=block_size,
-        positions=torch.from_numpy(positions).to(device),
-        slot_mapping=torch.from_numpy(slots).to(device),
-        qo_indptr=int32(qo_indptr),
-        kv_indptr=int32(kv_indptr),
-        kv_indices=int32(kv_indices),
-        kv_last_page_len=int32(last_page_len),
         query_lens=query_lens,
         seq_lens=seq_lens,
         block_table=table,
+        positions=positions,
+        slot_mapping=slots,
+        qo_indptr=qo_indptr.astype(np.int32),
+        kv_indptr=kv_indptr.astype(np.int32),
+        kv_indices=kv_indices.astype(np.int32),
+        kv_last_page_len=last_page_len.astype(np.int32),
     )
+
+
+def host_tensors(host: StepMetadata) -> list[torch.Tensor]:
+    """CPU tensors sharing memory with `host`'s device fields, in AttentionMetadata's order."""
+    return [torch.from_numpy(np.ascontiguousarray(getattr(host, f))) for f in DEVICE_FIELDS]
+
+
+def upload(host: StepMetadata, device: torch.device | str = "cpu") -> AttentionMetadata:
+    """The device side of `host`: on the CPU, views of its arrays; elsewhere, plain copies
+    (the model runner stages them through pinned buffers instead)."""
+    tensors = host_tensors(host)
+    if torch.device(device).type != "cpu":
+        tensors = [t.to(device) for t in tensors]
+    return AttentionMetadata(host, *tensors)
+
+
+def build_attention_metadata(
+    num_computed: Sequence[int],
+    num_new: Sequence[int],
+    block_ids: Sequence[Sequence[int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
+    """build_step_metadata, then upload (plain copies): for tests and one-off steps."""
+    return upload(build_step_metadata(num_computed, num_new, block_ids, block_size), device)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import write_kv
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata, StepMetadata
 
 # Above this many score elements per request, use the memory-efficient SDPA kernel.
 _MAX_MATERIALISED_SCORES = 1 << 24
@@ -63,17 +63,17 @@ class TorchAttentionBackend:
         self._eye = eye[:, None, :, None]
 
     def plan(self, metadata: AttentionMetadata) -> None:
-        device = self.kv_cache.device
-        self._slot_mapping = metadata.slot_mapping.to(device=device, dtype=torch.long)
-        starts = np.concatenate(([0], np.cumsum(metadata.query_lens)[:-1]))
-        is_decode = metadata.query_lens == 1
-        self._decode = self._plan_decode(metadata, starts, is_decode) if is_decode.any() else None
+        self._slot_mapping = metadata.slot_mapping
+        host = metadata.host
+        starts = host.qo_indptr[:-1]
+        is_decode = host.query_lens == 1
+        self._decode = self._plan_decode(host, starts, is_decode) if is_decode.any() else None
         self._extends = [
-            self._plan_extend(metadata, int(r), int(starts[r])) for r in np.flatnonzero(~is_decode)
+            self._plan_extend(host, int(r), int(starts[r])) for r in np.flatnonzero(~is_decode)
         ]
 
     def _plan_decode(
-        self, md: AttentionMetadata, starts: np.ndarray, is_decode: np.ndarray
+        self, md: StepMetadata, starts: np.ndarray, is_decode: np.ndarray
     ) -> _DecodePlan:
         rows = np.flatnonzero(is_decode)
         seq_lens = md.seq_lens[rows]
@@ -81,7 +81,7 @@ class TorchAttentionBackend:
         blocks = md.block_table[rows, :max_pages]
         visible = np.arange(max_pages * self.block_size)[None, :] < seq_lens[:, None]
         mask = np.where(visible, 0.0, -np.inf).astype(np.float32)[:, None, :]
-        token_rows = starts[rows]
+        token_rows = starts[rows].astype(np.int64)
         contiguous = bool((token_rows == np.arange(len(rows))).all())
         device = self.kv_cache.device
         return _DecodePlan(
@@ -90,7 +90,7 @@ class TorchAttentionBackend:
             mask=torch.from_numpy(mask).to(device),
         )
 
-    def _plan_extend(self, md: AttentionMetadata, r: int, start: int) -> _ExtendPlan:
+    def _plan_extend(self, md: StepMetadata, r: int, start: int) -> _ExtendPlan:
         q_len, kv_len = int(md.query_lens[r]), int(md.seq_lens[r])
         computed = kv_len - q_len
         # Query i sits at position computed + i and sees keys 0..computed + i.

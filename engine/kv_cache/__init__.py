@@ -2,7 +2,7 @@
 
 from engine.kv_cache.block import BlockHash, FreeBlockQueue, KVCacheBlock
 from engine.kv_cache.block_pool import BlockPool
-from engine.kv_cache.manager import KVCacheManager, PrefixCacheCounters, cdiv
+from engine.kv_cache.manager import KVCacheManager, PrefixCacheCounters
 
 __all__ = [
     "BlockHash",
@@ -11,5 +11,4 @@ __all__ = [
     "KVCacheBlock",
     "KVCacheManager",
     "PrefixCacheCounters",
-    "cdiv",
 ]

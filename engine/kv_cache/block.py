@@ -54,7 +54,7 @@ class FreeBlockQueue:
             self.append(block)
 
     def popleft(self) -> KVCacheBlock:
-        """Mutates: detaches and returns the front block."""
+        """Detaches and returns the front block."""
         first = self._head.next_free
         if first is None or first is self._tail:
             raise ValueError("no free blocks left")
@@ -62,7 +62,7 @@ class FreeBlockQueue:
         return first
 
     def remove(self, block: KVCacheBlock) -> None:
-        """Mutates: detaches `block` from wherever it sits in the queue."""
+        """Detaches `block` from wherever it sits in the queue, in O(1)."""
         prev, nxt = block.prev_free, block.next_free
         if prev is None or nxt is None:
             raise ValueError(f"{block} is not in the free queue")
@@ -72,7 +72,7 @@ class FreeBlockQueue:
         self.num_free_blocks -= 1
 
     def append(self, block: KVCacheBlock) -> None:
-        """Mutates: puts `block` at the back, to be evicted last."""
+        """Puts `block` at the back, to be evicted last."""
         if block.prev_free is not None or block.next_free is not None:
             raise ValueError(f"{block} is already in the free queue")
         last = self._tail.prev_free

@@ -38,7 +38,7 @@ class BlockPool:
         return block
 
     def allocate(self, n: int) -> list[KVCacheBlock]:
-        """Mutates: pops `n` blocks from the front of the free queue, evicting their hashes."""
+        """Pops `n` blocks from the front of the free queue, evicting their hashes."""
         if n > self.num_free_blocks:
             raise ValueError(f"cannot allocate {n} blocks, {self.num_free_blocks} free")
         blocks = [self.free_queue.popleft() for _ in range(n)]
@@ -48,14 +48,14 @@ class BlockPool:
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Mutates: takes a reference on each block, pulling free ones out of the queue."""
+        """Takes a reference on each block, pulling free ones out of the queue."""
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
 
     def free(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Mutates: drops a reference on each block, in the order given.
+        """Drops a reference on each block, in the order given.
 
         Blocks whose count reaches zero join the back of the queue in that order, so the
         caller passes a request's blocks tail-first to have its longest chains evicted first.
@@ -68,7 +68,7 @@ class BlockPool:
                 self.free_queue.append(block)
 
     def cache(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
-        """Mutates: registers a full block under its hash.
+        """Registers a full block under its hash.
 
         If an equal block is already registered (two requests computed the same prefix at
         once), the first one stays the cache entry and this block stays private.

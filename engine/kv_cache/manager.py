@@ -9,13 +9,10 @@ from typing import TYPE_CHECKING, Protocol
 from engine.kv_cache.block import KVCacheBlock
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.hashing import extend_block_hashes
+from engine.utils import cdiv
 
 if TYPE_CHECKING:
     from engine.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass
@@ -27,6 +24,8 @@ class PrefixCacheCounters:
 
 
 class PrefixCache(Protocol):
+    def update_hashes(self, request: Request) -> None: ...
+
     def find_hits(self, request: Request) -> list[KVCacheBlock]: ...
 
     def register(
@@ -41,8 +40,15 @@ class HashPrefixCache:
         self.pool = pool
         self.block_size = block_size
 
+    def update_hashes(self, request: Request) -> None:
+        """Mutates the request: extends `request.block_hashes` to all of its full blocks."""
+        extend_block_hashes(
+            request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt
+        )
+
     def find_hits(self, request: Request) -> list[KVCacheBlock]:
-        """The cached blocks that form the longest prefix of the request. Pure lookup.
+        """The cached blocks that form the longest prefix of the request's hashed blocks.
+        A lookup: mutates nothing (hash the request with `update_hashes` first).
 
         The hit stops one token short of the end: the last token is always recomputed,
         because sampling needs its logits. A block-aligned full hit thus gives back its
@@ -50,7 +56,6 @@ class HashPrefixCache:
         """
         if request.sampling_params.prompt_logprobs is not None:
             return []  # prompt logprobs need the logits of every prompt position
-        self._hash(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
         for block_hash in request.block_hashes[:max_blocks]:
@@ -63,25 +68,24 @@ class HashPrefixCache:
     def register(
         self, request: Request, blocks: Sequence[KVCacheBlock], start: int, num_tokens: int
     ) -> int:
-        """Mutates the pool: caches the request's full blocks from index `start` on.
+        """Mutates the pool (and the request's hashes): caches the request's full blocks
+        from index `start` on.
 
         `num_tokens` counts the tokens whose KV will be in the cache once the scheduled
         step runs. Returns how many of the request's blocks are now registered.
         """
-        self._hash(request)
+        self.update_hashes(request)
         num_full = min(num_tokens // self.block_size, len(request.block_hashes), len(blocks))
         for i in range(start, num_full):
             self.pool.cache(blocks[i], request.block_hashes[i])
         return max(start, num_full)
 
-    def _hash(self, request: Request) -> None:
-        extend_block_hashes(
-            request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt
-        )
-
 
 class NoPrefixCache:
-    """The null object used when prefix caching is off: never hits, never registers."""
+    """The null object used when prefix caching is off: never hashes, hits or registers."""
+
+    def update_hashes(self, request: Request) -> None:
+        return None
 
     def find_hits(self, request: Request) -> list[KVCacheBlock]:
         return []
@@ -95,9 +99,8 @@ class NoPrefixCache:
 class KVCacheManager:
     """Maps requests to their blocks and decides whether new tokens fit.
 
-    The scheduler calls `get_computed_blocks` (lookup, no mutation) for a waiting request,
-    then `allocate_slots` (mutation) for every request it schedules, and `free` when a
-    request finishes or is preempted.
+    The scheduler calls `get_computed_blocks` for a waiting request, then `allocate_slots`
+    for every request it schedules, and `free` when a request finishes or is preempted.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
@@ -123,7 +126,11 @@ class KVCacheManager:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Prefix-cache hit for a waiting request: (blocks, number of tokens they cover)."""
+        """Prefix-cache hit for a waiting request: (blocks, number of tokens they cover).
+
+        Hashes the request's full blocks first (mutating `request.block_hashes`); the block
+        pool is left as it is."""
+        self.prefix_cache.update_hashes(request)
         hits = self.prefix_cache.find_hits(request)
         return hits, len(hits) * self.block_size
 
@@ -133,12 +140,14 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: Sequence[KVCacheBlock] | None = None,
     ) -> list[KVCacheBlock] | None:
-        """Mutates: makes room for `num_new_tokens` more tokens of `request`.
+        """Makes room for `num_new_tokens` more tokens of `request`.
 
         `new_computed_blocks` is the prefix-cache hit of a request being admitted (None for
         a request that is already running). Returns the newly allocated blocks, or None,
         changing nothing, when they do not fit. Cache hits sitting in the free queue do not
-        count as free space: taking them removes them from the queue.
+        count as free space: taking them removes them from the queue. The prefix-cache
+        counters count each request once, at its first admission: a request resumed after
+        preemption finds its own blocks again, which is no new traffic.
         """
         hits = list(new_computed_blocks or ())
         held = self.req_to_blocks.get(request.request_id, [])
@@ -155,8 +164,9 @@ class KVCacheManager:
         blocks.extend(hits)
         blocks.extend(new_blocks)
         if new_computed_blocks is not None:
-            self.counters.queries += request.num_tokens
-            self.counters.hits += len(hits) * self.block_size
+            if request.num_preemptions == 0:
+                self.counters.queries += request.num_tokens
+                self.counters.hits += len(hits) * self.block_size
             self._num_registered[request.request_id] = len(hits)
 
         # Cache full blocks as soon as they are scheduled, so a request later in the same
@@ -169,7 +179,7 @@ class KVCacheManager:
         return new_blocks
 
     def free(self, request: Request) -> None:
-        """Mutates: releases the request's blocks, tail first, so long chains go first."""
+        """Releases the request's blocks, tail first, so long chains go first."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self._num_registered.pop(request.request_id, None)
         self.pool.free(reversed(blocks))

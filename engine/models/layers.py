@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models import native_ops
+from engine.ops import native_ops
 
 # oneDNN lays packed weights out for a batch size; any other batch size works as well.
 _PACK_BATCH_HINT = 64
@@ -19,8 +19,8 @@ def onednn_packable(weight: torch.Tensor) -> bool:
     """oneDNN's pre-packed linear: a CPU bf16 weight, where this torch build and CPU have it.
 
     It gives results identical to F.linear (both run oneDNN's matmul for bf16), but without
-    re-laying the weight out on every call: 1.5-3x faster for decode batches. float32 stays
-    on F.linear (MKL), whose numerics match Hugging Face's reference exactly.
+    re-laying the weight out on every call. float32 stays on F.linear (MKL), whose numerics
+    match Hugging Face's reference exactly.
     """
     return (
         weight.device.type == "cpu"
@@ -52,7 +52,7 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None
 
     def pack(self) -> None:
-        """Mutates: where oneDNN can, replaces the weight by its pre-packed layout (the plain
+        """Where oneDNN can, replaces the weight by its pre-packed layout (the plain
         copy is dropped). Call after the weights are loaded and on their device."""
         if self.weight is not None and onednn_packable(self.weight):
             self.packed = pack_linear_weight(self.weight.detach())

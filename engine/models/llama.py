@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionBackend
-from engine.models import native_ops
 from engine.models.arch import ModelArch
 from engine.models.layers import (
     Linear,
@@ -22,6 +21,7 @@ from engine.models.layers import (
     pack_linear_weight,
     packed_linear,
 )
+from engine.ops import native_ops
 
 
 class Attention(nn.Module):
@@ -110,7 +110,7 @@ class DecoderModel(nn.Module):
         self._packed_head: torch.Tensor | None = None
 
     def pack_weights(self) -> None:
-        """Mutates: pre-packs every linear layer and the LM head where oneDNN can (see
+        """Pre-packs every linear layer and the LM head where oneDNN can (see
         layers.onednn_packable); results are unchanged. Call once, after loading."""
         for module in self.modules():
             if isinstance(module, Linear):

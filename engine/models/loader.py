@@ -5,7 +5,6 @@ Nothing is fetched from a hub: a model is a path on disk.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 from engine.models.arch import ModelArch
+from engine.models.hf_config import eos_token_ids, load_hf_config, resolve_model_path
 from engine.models.llama import DecoderModel
 
 # GGUF tensor names (llama.cpp) -> Hugging Face names.
@@ -38,36 +38,6 @@ _GGUF_LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _GGUF_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-
-
-def resolve_model_path(model: str | Path) -> tuple[Path, str | None]:
-    """(directory, gguf file name or None). Raises FileNotFoundError with a clear message."""
-    path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return path.parent, path.name
-    if path.is_dir() and (path / "config.json").exists():
-        return path, None
-    raise FileNotFoundError(
-        f"{model}: not a local Hugging Face model directory (with config.json) or a .gguf "
-        "file; pagedserve never downloads weights"
-    )
-
-
-def load_hf_config(folder: Path, gguf_file: str | None) -> Any:
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
-
-
-def eos_token_ids(folder: Path, hf_config: Any) -> tuple[int, ...]:
-    """EOS ids from generation_config.json if present (Llama 3 lists several), else config."""
-    ids = getattr(hf_config, "eos_token_id", None)
-    gen = folder / "generation_config.json"
-    if gen.exists():
-        ids = json.loads(gen.read_text()).get("eos_token_id", ids)
-    if ids is None:
-        return ()
-    return tuple(ids) if isinstance(ids, list) else (int(ids),)
 
 
 def load_model(

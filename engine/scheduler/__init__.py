@@ -2,9 +2,7 @@
 
 from engine.scheduler.output import (
     EngineCoreOutput,
-    Logprobs,
     ModelRunnerOutput,
-    NewRequestData,
     ScheduledRequest,
     SchedulerOutput,
     SchedulerStats,
@@ -14,9 +12,7 @@ from engine.scheduler.scheduler import Scheduler
 
 __all__ = [
     "EngineCoreOutput",
-    "Logprobs",
     "ModelRunnerOutput",
-    "NewRequestData",
     "ScheduledRequest",
     "Scheduler",
     "SchedulerOutput",

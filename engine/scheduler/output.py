@@ -1,44 +1,37 @@
-"""Typed messages between the scheduler, the model runner and the engine (pure Python)."""
+"""Typed messages between the scheduler, the model runner and the engine (pure Python).
+
+Everything runs in one process, so a scheduled entry carries the Request itself rather than
+copies of its token lists: the runner reads the tokens it needs from it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.sampling_params import SamplingParams
-
-
-@dataclass(frozen=True)
-class NewRequestData:
-    """Everything the runner needs to (re)build a request's state.
-
-    Sent when a request is first scheduled and when it resumes after preemption; in the
-    latter case `output_token_ids` is non-empty and `block_ids` replaces the old table.
-    """
-
-    request_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    sampling_params: SamplingParams
-    block_ids: list[int]
+from engine.outputs import Logprobs
+from engine.request import Request
 
 
 @dataclass(frozen=True)
 class ScheduledRequest:
     """One request's share of a step."""
 
-    request_id: str
+    request: Request
     num_new_tokens: int
     # Tokens whose KV is already in the cache before this step.
     num_computed_tokens: int
-    # Blocks appended to the request's table this step (empty for `new` requests, whose
-    # whole table is in `new.block_ids`).
-    new_block_ids: list[int]
-    # Set for new and resumed requests.
-    new: NewRequestData | None = None
+    # Blocks appended to the request's table this step; for a `new_table` entry (first
+    # scheduled, or resumed after preemption) the request's whole table, replacing any old one.
+    block_ids: list[int]
+    new_table: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
 
     @property
     def resumed(self) -> bool:
-        return self.new is not None and bool(self.new.output_token_ids)
+        return self.new_table and self.request.num_preemptions > 0
 
 
 @dataclass(frozen=True)
@@ -52,20 +45,6 @@ class SchedulerOutput:
     @property
     def total_num_scheduled_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass(frozen=True)
-class Logprobs:
-    """Logprob of the chosen token, its rank, and the top alternatives (token, logprob)."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    top: list[tuple[int, float]]
 
 
 @dataclass(frozen=True)

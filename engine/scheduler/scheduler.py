@@ -7,13 +7,13 @@ from collections import deque
 from collections.abc import Iterable
 
 from engine.config import SchedulerConfig
+from engine.errors import RequestValidationError
 from engine.kv_cache import KVCacheManager
+from engine.outputs import Logprobs
 from engine.request import Request, RequestStatus
 from engine.scheduler.output import (
     EngineCoreOutput,
-    Logprobs,
     ModelRunnerOutput,
-    NewRequestData,
     ScheduledRequest,
     SchedulerOutput,
     SchedulerStats,
@@ -48,13 +48,15 @@ class Scheduler:
     # ---- between steps -------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Mutates: queues a new request (FCFS)."""
+        """Queues a new request (FCFS). Raises RequestValidationError for one that could
+        never run, ValueError for a duplicate id."""
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         if request.num_tokens >= self.config.max_model_len:
-            raise ValueError(
+            raise RequestValidationError(
                 f"the prompt has {request.num_tokens} tokens; max_model_len is "
-                f"{self.config.max_model_len}, which leaves no room to generate"
+                f"{self.config.max_model_len}, which leaves no room to generate",
+                "prompt",
             )
         self.waiting.append(request)
         self.requests[request.request_id] = request
@@ -62,7 +64,7 @@ class Scheduler:
     def finish_requests(
         self, request_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
     ) -> list[Request]:
-        """Mutates: ends the given requests (unknown ids are ignored) and frees their blocks."""
+        """Ends the given requests (unknown ids are ignored) and frees their blocks."""
         finished = []
         for request_id in request_ids:
             request = self.requests.get(request_id)
@@ -76,17 +78,13 @@ class Scheduler:
             finished.append(request)
         return finished
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.requests)
-
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
     # ---- the step ------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Mutates: picks this step's requests, allocating blocks and preempting if needed."""
+        """Picks this step's requests, allocating blocks and preempting if needed."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted = False
@@ -105,13 +103,9 @@ class Scheduler:
                 new_blocks = self.kv_cache.allocate_slots(request, num_new)
             if new_blocks is None:
                 break
+            block_ids = [b.block_id for b in new_blocks]
             scheduled.append(
-                ScheduledRequest(
-                    request.request_id,
-                    num_new,
-                    request.num_computed_tokens,
-                    [b.block_id for b in new_blocks],
-                )
+                ScheduledRequest(request, num_new, request.num_computed_tokens, block_ids)
             )
             budget -= num_new
             i += 1
@@ -132,7 +126,7 @@ class Scheduler:
         return SchedulerOutput(scheduled, finished)
 
     def _admit(self, request: Request, budget: int) -> ScheduledRequest | None:
-        """Mutates: moves the head of `waiting` to `running` if its tokens fit."""
+        """Moves the head of `waiting` to `running` if its tokens fit."""
         hits, num_hit = self.kv_cache.get_computed_blocks(request)
         # Capping at the budget is chunked prefill.
         num_new = min(request.num_tokens - num_hit, budget)
@@ -146,17 +140,11 @@ class Scheduler:
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
         self.running.append(request)
-        new = NewRequestData(
-            request.request_id,
-            list(request.prompt_token_ids),
-            list(request.output_token_ids),
-            request.sampling_params,
-            self.kv_cache.block_ids(request.request_id),
-        )
-        return ScheduledRequest(request.request_id, num_new, num_hit, [], new)
+        block_ids = self.kv_cache.block_ids(request.request_id)
+        return ScheduledRequest(request, num_new, num_hit, block_ids, new_table=True)
 
     def _preempt(self, request: Request) -> None:
-        """Mutates: recompute-style preemption. The victim resumes first."""
+        """Recompute-style preemption: frees the victim's blocks; it resumes first."""
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -169,7 +157,7 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> StepResult:
-        """Mutates: advances each scheduled request and applies the stop conditions."""
+        """Advances each scheduled request and applies the stop conditions."""
         outputs: list[EngineCoreOutput] = []
         for entry in scheduler_output.scheduled:
             request = self.requests.get(entry.request_id)

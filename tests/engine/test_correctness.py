@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, EngineHooks, SamplingParams
 from tests.tiny_models import make_tiny_model
 
 MAX_TOKENS = 12
@@ -62,12 +62,16 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return path, prompts, shared, reference[: len(prompts)], reference[len(prompts) :]
 
 
+# Every step of every test here verifies the KV block pool.
+CHECKED = EngineHooks(check_invariants=True)
+
+
 def tiny_llm(path: Path, **kwargs: object) -> LLM:
     options: dict[str, object] = dict(
-        dtype="float32", block_size=16, num_kv_blocks=128, max_model_len=256, check_invariants=True
+        dtype="float32", block_size=16, num_kv_blocks=128, max_model_len=256
     )
     options.update(kwargs)
-    return LLM(str(path), **options)
+    return LLM(str(path), hooks=CHECKED, **options)
 
 
 def test_each_request_alone(tiny) -> None:
@@ -92,7 +96,7 @@ def test_prefix_cache_hits(tiny) -> None:
     first = engine_tokens(llm, shared[:1])
     outputs = llm.generate(shared[1:], GREEDY)
     assert first + [o.outputs[0].token_ids for o in outputs] == reference
-    assert llm.engine.core.scheduler.kv_cache.counters.hits > 0
+    assert llm.core.scheduler.kv_cache.counters.hits > 0
     assert all(o.num_cached_tokens >= 48 for o in outputs)
     # Same-batch sharing: all four at once, from a cold cache.
     assert engine_tokens(tiny_llm(path), shared) == reference
@@ -102,7 +106,7 @@ def test_preemption(tiny) -> None:
     path, prompts, _, reference, _ = tiny
     llm = tiny_llm(path, num_kv_blocks=10, max_model_len=160)
     assert engine_tokens(llm, prompts) == reference
-    assert llm.engine.core.scheduler.total_preemptions > 0
+    assert llm.core.scheduler.total_preemptions > 0
 
 
 def test_llama3_rope_scaling(tmp_path: Path) -> None:
@@ -135,7 +139,7 @@ def test_default_model_all_modes(default_model_dir: Path) -> None:
     assert min(len(p) for p in prompts) >= 32
     reference = hf_greedy_stop(default_model_dir, prompts, 16)
     params = SamplingParams(temperature=0.0, max_tokens=16)
-    options = dict(dtype="float32", max_model_len=512, check_invariants=True)
+    options: dict = dict(dtype="float32", max_model_len=512, hooks=CHECKED)
 
     llm = LLM(str(default_model_dir), num_kv_blocks=128, enable_prefix_caching=False, **options)
     assert [engine_tokens(llm, [p], params)[0] for p in prompts] == reference  # (a)
@@ -144,13 +148,13 @@ def test_default_model_all_modes(default_model_dir: Path) -> None:
     shared = [prompts[0] + p for p in prompts[1:]]
     shared_ref = hf_greedy_stop(default_model_dir, shared, 16)
     assert engine_tokens(llm, shared, params) == shared_ref  # (d)
-    assert llm.engine.core.scheduler.kv_cache.counters.hits > 0
+    assert llm.core.scheduler.kv_cache.counters.hits > 0
     chunked = LLM(str(default_model_dir), num_kv_blocks=128, max_num_batched_tokens=16, **options)
     assert engine_tokens(chunked, prompts, params) == reference  # (c)
     options["max_model_len"] = 128
     small = LLM(str(default_model_dir), num_kv_blocks=14, **options)
     assert engine_tokens(small, prompts + shared, params) == reference + shared_ref  # (e)
-    assert small.engine.core.scheduler.total_preemptions > 0
+    assert small.core.scheduler.total_preemptions > 0
 
 
 def hf_greedy_stop(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -1,76 +1,97 @@
-"""Incremental detokenization and stop strings on the default model's tokenizer."""
+"""OutputProcessor: the n fan-out, output kinds, stop-string aborts and the latency stats,
+fed with hand-made engine outputs (no model)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
-
-from engine.output_processor import IncrementalDetokenizer, RequestTracker
-from engine.sampling_params import SamplingParams
+from engine.output_processor import OutputProcessor
+from engine.outputs import Logprobs
+from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler.output import EngineCoreOutput
-
-TEXTS = [
-    " Hello, world! Multi-byte: naïve café, 日本語のテキスト, emoji 🚀🎉 and 𝔘𝔫𝔦𝔠𝔬𝔡𝔢.",
-    "\n\n  leading spaces,\ttabs and   runs of spaces  ",
-    "Paris is the capital of France.",
-]
+from tests.tiny_models import save_word_tokenizer
 
 
-@pytest.fixture(scope="module")
-def tokenizer(default_model_dir: Path):
+def processor(tmp_path) -> OutputProcessor:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(default_model_dir)
+    save_word_tokenizer(tmp_path)
+    return OutputProcessor(AutoTokenizer.from_pretrained(tmp_path), eos_token_ids=(2,))
 
 
-@pytest.mark.parametrize("text", TEXTS)
-def test_incremental_text_equals_full_decode(tokenizer, text: str) -> None:
-    prompt = tokenizer.encode("Question: say something.")
-    ids = tokenizer.encode(text)
-    detok = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=True)
-    pieces = [detok.add(t) for t in ids]
-    assert "".join(pieces) == tokenizer.decode(ids)
-    assert not any("\ufffd" in p for p in pieces)
+def out(request_id: str, token: int, finish: str | None = None, **kw: object) -> EngineCoreOutput:
+    return EngineCoreOutput(request_id, [token], finish_reason=finish, **kw)  # type: ignore[arg-type]
 
 
-def feed(tokenizer, text: str, params: SamplingParams, finish: str = "length"):
-    ids = tokenizer.encode(text)
-    tracker = RequestTracker(tokenizer, tokenizer.encode("Hi"), params)
-    deltas = []
-    for i, token in enumerate(ids):
-        last = i == len(ids) - 1
-        delta = tracker.process(
-            EngineCoreOutput("r", [token], finish_reason=finish if last else None)
-        )
-        deltas.append(delta.text)
-        if tracker.finished:
-            break
-    return tracker, deltas
+def test_fan_out_gives_one_engine_request_per_choice(tmp_path) -> None:
+    proc = processor(tmp_path)
+    params = SamplingParams(n=3, seed=5, max_tokens=4)
+    requests = proc.add_request("p", [7, 8], params, cache_salt="tenant")
+    assert [r.request_id for r in requests] == ["p-0", "p-1", "p-2"]
+    assert [r.sampling_params.seed for r in requests] == [5, 6, 7]
+    assert all(r.sampling_params.n == 1 and r.cache_salt == "tenant" for r in requests)
 
 
-def test_stop_string_never_leaks_into_the_stream(tokenizer) -> None:
-    text = "The answer is 42. STOP here and never show this part."
-    tracker, deltas = feed(tokenizer, text, SamplingParams(stop=["STOP here"]))
-    streamed = "".join(deltas)
-    assert streamed == tracker.text == "The answer is 42. "
-    assert (tracker.finish_reason, tracker.stop_reason) == ("stop", "STOP here")
-    assert tracker.needs_abort
+def test_delta_outputs_carry_only_what_is_new(tmp_path) -> None:
+    proc = processor(tmp_path)
+    params = SamplingParams(n=2, output_kind=RequestOutputKind.DELTA, logprobs=0)
+    proc.add_request("p", [7, 8], params)
+    lp = Logprobs(10, -1.0, 1, [])
+    first = proc.process_outputs([out("p-0", 10, new_logprobs=[lp]), out("p-1", 11)])
+    (output,) = first.outputs
+    assert [(c.index, c.text, c.token_ids) for c in output.outputs] == [
+        (0, " t10", [10]),
+        (1, " t11", [11]),
+    ]
+    assert output.outputs[0].logprobs == [lp] and not output.finished
+    second = proc.process_outputs([out("p-1", 12, "length")])
+    (output,) = second.outputs
+    assert [(c.index, c.text, c.finish_reason) for c in output.outputs] == [(1, " t12", "length")]
+    assert not output.finished  # choice 0 still runs
+    third = proc.process_outputs([out("p-0", 13, "stop")])
+    assert third.outputs[0].finished and "p" not in proc
+    assert [f.request_id for f in second.stats.finished + third.stats.finished] == ["p-1", "p-0"]
 
 
-def test_include_stop_str_in_output(tokenizer) -> None:
-    params = SamplingParams(stop=["42"], include_stop_str_in_output=True)
-    tracker, deltas = feed(tokenizer, "The answer is 42. More", params)
-    assert "".join(deltas) == tracker.text == "The answer is 42"
+def test_final_only_waits_for_every_choice(tmp_path) -> None:
+    proc = processor(tmp_path)
+    proc.add_request("p", [7], SamplingParams(n=2, output_kind=RequestOutputKind.FINAL_ONLY))
+    assert proc.process_outputs([out("p-0", 10), out("p-1", 11, "length")]).outputs == []
+    (final,) = proc.process_outputs([out("p-0", 12, "length")]).outputs
+    assert [c.text for c in final.outputs] == [" t10 t12", " t11"] and final.finished
 
 
-def test_earliest_of_several_stop_strings_wins(tokenizer) -> None:
-    tracker, _ = feed(tokenizer, "alpha beta gamma delta", SamplingParams(stop=["delta", "beta"]))
-    assert tracker.text == "alpha " and tracker.stop_reason == "beta"
+def test_stop_string_ends_the_choice_and_asks_for_an_abort(tmp_path) -> None:
+    proc = processor(tmp_path)
+    params = SamplingParams(stop=["t12"], output_kind=RequestOutputKind.CUMULATIVE)
+    proc.add_request("p", [7], params)
+    first = proc.process_outputs([out("p-0", 10)])
+    # The last len("t12") - 1 characters stay back: they could begin the stop string.
+    assert first.outputs[0].outputs[0].text == " t"
+    second = proc.process_outputs([out("p-0", 12)])
+    assert second.aborts == ["p-0"]
+    (choice,) = second.outputs[0].outputs
+    assert (choice.text, choice.finish_reason, choice.stop_reason) == (" t10 ", "stop", "t12")
+    assert second.stats.num_generation_tokens == 1
+    # A later output of the aborted engine request is ignored.
+    assert proc.process_outputs([out("p-0", 13)]).outputs == []
 
 
-def test_held_back_text_is_flushed_when_no_stop_matches(tokenizer) -> None:
-    text = "A partial ST at the very end ST"
-    tracker, deltas = feed(tokenizer, text, SamplingParams(stop=["STOP"]))
-    assert "".join(deltas) == tokenizer.decode(tokenizer.encode(text))
-    assert tracker.finish_reason == "length" and not tracker.needs_abort
+def test_abort_reports_unfinished_choices(tmp_path) -> None:
+    proc = processor(tmp_path)
+    proc.add_request("p", [7], SamplingParams(n=2))
+    proc.process_outputs([out("p-0", 10, "length")])
+    engine_ids, stats = proc.abort_request("p")
+    assert engine_ids == ["p-1"]
+    assert [(f.request_id, f.finish_reason) for f in stats.finished] == [("p-1", "abort")]
+    assert proc.abort_request("p") == ([], stats.__class__())
+
+
+def test_latencies_first_token_then_inter_token(tmp_path) -> None:
+    proc = processor(tmp_path)
+    proc.add_request("p", [7], SamplingParams(), arrival_time=0.0)
+    first = proc.process_outputs([out("p-0", 10, queue_time=0.25)])
+    assert len(first.stats.time_to_first_tokens) == 1 and first.stats.queue_times == [0.25]
+    second = proc.process_outputs([out("p-0", 11, "length")])
+    assert len(second.stats.inter_token_latencies) == 1
+    (finished,) = second.stats.finished
+    assert finished.first_of_prompt and finished.num_generation_tokens == 2
+    assert finished.ttft is not None and finished.ttft <= finished.e2e_latency

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.factory import Engine, EngineArgs, create_engine
+from engine import AsyncLLM, EngineArgs
 from tests.server.live import LiveServer
 from tests.tiny_models import make_tiny_model
 
@@ -17,12 +17,12 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model("llama", tmp_path_factory.mktemp("tiny-server"))
 
 
-def tiny_engine(path: Path, **kwargs: object) -> Engine:
+def tiny_engine(path: Path, **kwargs: object) -> AsyncLLM:
     options: dict[str, object] = dict(
         model=str(path), dtype="float32", num_kv_blocks=256, max_model_len=256
     )
     options.update(kwargs)
-    return create_engine(EngineArgs(**options))  # type: ignore[arg-type]
+    return AsyncLLM.from_engine_args(EngineArgs(**options))  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def tiny_server(tiny_model_dir: Path) -> Iterator[LiveServer]:
 
 @pytest.fixture(scope="module")
 def default_server(default_model_dir: Path) -> Iterator[LiveServer]:
-    engine = create_engine(
+    engine = AsyncLLM.from_engine_args(
         EngineArgs(model=str(default_model_dir), dtype="float32", max_model_len=1024)
     )
     with LiveServer(engine) as server:

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import uvicorn
 
-from engine.factory import Engine
+from engine import AsyncLLM
 from server.app import create_app
 from server.settings import AppState, ServerSettings
 
@@ -42,7 +42,7 @@ def wait_ready(url: str, timeout: float = 120.0, proc: subprocess.Popen | None =
 class LiveServer:
     """uvicorn serving create_app(engine, settings) on a free port, in a thread."""
 
-    def __init__(self, engine: Engine, **settings: Any) -> None:
+    def __init__(self, engine: AsyncLLM, **settings: Any) -> None:
         self.settings = ServerSettings(host="127.0.0.1", port=free_port(), **settings)
         self.app = create_app(engine, self.settings)
         self.engine = engine

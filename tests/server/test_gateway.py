@@ -63,7 +63,7 @@ def test_sixteen_concurrent_streams(default_server: LiveServer, default_model_di
         client = openai.AsyncOpenAI(base_url=f"{default_server.url}/v1", api_key="x", max_retries=0)
         return await asyncio.gather(*(one(client, p) for p in prompts))
 
-    client_model = default_server.state.model_name()
+    client_model = default_server.state.serving.model_name
     assert asyncio.run(run()) == expected
 
 

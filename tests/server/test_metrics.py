@@ -108,7 +108,7 @@ def traffic(tiny_model_dir: Path) -> tuple[str, dict[str, int], str, float]:
         )
         usage["requests"] += 1
         text = scrape(server)
-        return text, usage, server.state.model_name(), hits_before  # type: ignore[return-value]
+        return text, usage, server.state.serving.model_name, hits_before  # type: ignore[return-value]
 
 
 def test_every_metric_is_exposed_with_help_and_model_name(traffic) -> None:

@@ -1,7 +1,7 @@
 """The FlashInfer backend on CPU: backend selection, and its contract with FlashInfer.
 
 A recording stand-in for `flashinfer` (tests/fake_flashinfer.py) is injected through the
-backend's constructor. For steps built by the real Scheduler, RunnerStates and metadata
+backend's constructor. For steps built by the real Scheduler, InputBatch and metadata
 builder, the test checks that plan() receives exactly the metadata the torch backend
 consumed, that run() receives the right tensors, and that FlashInfer's documented
 semantics applied to those arguments give the torch backend's output.
@@ -27,12 +27,12 @@ from engine.attention.flashinfer_backend import (
 from engine.attention.metadata import AttentionMetadata, build_attention_metadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import SchedulerConfig
-from engine.cuda_graphs import pad_decode_batch
 from engine.kv_cache import KVCacheManager
 from engine.request import Request
-from engine.runner_state import RunnerStates
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ModelRunnerOutput, Scheduler
+from engine.worker.cuda_graphs import pad_decode_batch
+from engine.worker.input_batch import InputBatch
 from tests.fake_flashinfer import Call, make_fake_flashinfer
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, BLOCK, NUM_BLOCKS = 4, 2, 16, 2, 16, 48
@@ -92,7 +92,7 @@ def scheduled_steps() -> list[AttentionMetadata]:
     decodes, decode-only steps, and a prefix-cache hit mixed with decodes."""
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
     sched = Scheduler(config, KVCacheManager(NUM_BLOCKS, BLOCK, enable_caching=True))
-    states = RunnerStates(eos_token_ids=())
+    input_batch = InputBatch(eos_token_ids=())
     rng = np.random.default_rng(0)
     prompts = {rid: rng.integers(3, 200, n).tolist() for rid, n in (("a", 20), ("b", 30))}
     prompts["c"] = rng.integers(3, 200, 70).tolist()
@@ -104,12 +104,11 @@ def scheduled_steps() -> list[AttentionMetadata]:
             params = SamplingParams(max_tokens=20, ignore_eos=True)
             sched.add_request(Request(rid, prompts[rid], params))
         so = sched.schedule()
-        batch = states.update(so)
+        batch = input_batch.update(so)
         steps.append(
             build_attention_metadata(batch.num_computed, batch.num_new, batch.block_ids, BLOCK)
         )
-        sampled = [batch.request_ids[r] for r in batch.sample_rows]
-        states.append_sampled(sampled, [5] * len(sampled))
+        sampled = [batch.requests[r].request.request_id for r in batch.sample_rows]
         sched.update_from_output(so, ModelRunnerOutput(dict.fromkeys(sampled, 5)))
     return steps
 
@@ -118,8 +117,8 @@ def test_the_steps_cover_every_kind() -> None:
     steps = scheduled_steps()
     assert [md.is_decode_only for md in steps] == [False, False, False, True, False, True]
     assert [md.num_reqs for md in steps] == [2, 3, 3, 3, 4, 4]
-    assert steps[4].num_computed[-1] == 32  # d: two cached blocks, computed by c
-    assert set(steps[1].query_lens.tolist()) == {1, 62}  # decodes beside a chunk
+    assert steps[4].host.num_computed[-1] == 32  # d: two cached blocks, computed by c
+    assert set(steps[1].host.query_lens.tolist()) == {1, 62}  # decodes beside a chunk
 
 
 def test_host_page_table_equals_the_metadata() -> None:

@@ -208,3 +208,34 @@ def test_double_free_is_refused() -> None:
     pool.free(blocks)
     with pytest.raises(ValueError):
         pool.free(blocks)
+
+
+def test_find_hits_is_a_lookup_and_hashing_is_explicit() -> None:
+    manager = KVCacheManager(num_blocks=10, block_size=B)
+    prompt = list(range(9))
+    a = make_request("a", prompt)
+    admit(manager, a)
+    manager.free(a)
+    cache = manager.prefix_cache
+    b = make_request("b", list(prompt))
+    before = (free_order(manager), [blk.ref_cnt for blk in manager.pool.blocks])
+    assert cache.find_hits(b) == [] and b.block_hashes == []  # not hashed yet: no lookup
+    cache.update_hashes(b)
+    assert len(b.block_hashes) == 2
+    hits = cache.find_hits(b)
+    assert [h.block_id for h in hits] == [0, 1]
+    assert (free_order(manager), [blk.ref_cnt for blk in manager.pool.blocks]) == before
+    assert len(b.block_hashes) == 2  # find_hits left the request alone
+
+
+def test_resumed_request_is_not_counted_again() -> None:
+    manager = KVCacheManager(num_blocks=10, block_size=B)
+    a = make_request("a", list(range(9)))
+    admit(manager, a)
+    assert (manager.counters.queries, manager.counters.hits) == (9, 0)
+    manager.free(a)  # preempted: the scheduler frees it and counts the preemption
+    a.num_computed_tokens, a.num_preemptions = 0, 1
+    hits, num_hit = manager.get_computed_blocks(a)
+    assert num_hit == 8
+    assert manager.allocate_slots(a, 1, hits) is not None
+    assert (manager.counters.queries, manager.counters.hits) == (9, 0)

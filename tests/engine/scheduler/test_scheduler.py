@@ -8,10 +8,12 @@ from collections.abc import Callable
 import pytest
 
 from engine.config import SchedulerConfig
-from engine.kv_cache import KVCacheManager, cdiv
+from engine.errors import RequestValidationError
+from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput, StepResult
+from engine.utils import cdiv
 
 EOS = 0
 
@@ -95,7 +97,7 @@ def test_running_go_first_then_fcfs_admission_under_budget() -> None:
         ("b", 2),
         ("c", 3),
     ]
-    assert second.scheduled[2].new is not None and second.scheduled[0].new is None
+    assert second.scheduled[2].new_table and not second.scheduled[0].new_table
 
 
 def test_max_num_seqs_caps_running() -> None:
@@ -131,10 +133,24 @@ def test_preemption_takes_the_tail_which_resumes_first_with_cache_hits() -> None
     stats = fake_step(sched, output).stats
     assert stats.num_preemptions == 1
 
-    hits_before = sched.kv_cache.counters.hits
+    counters = (sched.kv_cache.counters.queries, sched.kv_cache.counters.hits)
+    resumed = None
+    while resumed is None:
+        output = sched.schedule()
+        resumed = next((s for s in output.scheduled if s.resumed), None)
+        if resumed is None:
+            fake_step(sched, output)
+    # b resumed before c and found its own full blocks still cached...
+    assert resumed.request_id == "b" and resumed.num_computed_tokens > 0
+    order = [s.request_id for s in output.scheduled]
+    assert "c" not in order or order.index("b") < order.index("c")
+    # ...which the prefix-cache counters do not count again: b was counted when admitted
+    # (c, first admitted now if it fit, is: 4 tokens, no hit).
+    c_tokens = 4 if "c" in order else 0
+    after = (sched.kv_cache.counters.queries, sched.kv_cache.counters.hits)
+    assert after == (counters[0] + c_tokens, counters[1])
+    fake_step(sched, output)
     run_to_completion(sched)
-    # b resumed before c and found its own full blocks still cached.
-    assert sched.kv_cache.counters.hits > hits_before
     assert sched.kv_cache.usage() == 0.0
 
 
@@ -142,23 +158,23 @@ def test_resumed_request_comes_back_with_its_outputs() -> None:
     sched = make_scheduler(num_blocks=8, max_num_batched_tokens=64, max_model_len=32)
     sched.add_request(make_request("a", 13, base=100, max_tokens=10))
     sched.add_request(make_request("b", 13, base=200, max_tokens=10))
-    resumed = None
+    resumed, outputs_at_resume = None, []
     for _ in range(30):
         output = sched.schedule()
         for entry in output.scheduled:
             if entry.resumed:
-                resumed = entry
+                resumed, outputs_at_resume = entry, list(entry.request.output_token_ids)
         fake_step(sched, output)
         if resumed:
             break
-    assert resumed is not None and resumed.new is not None
+    assert resumed is not None and resumed.new_table
     assert resumed.request_id == "b"
-    assert resumed.new.output_token_ids == [7, 7, 7, 7]
+    assert outputs_at_resume == [7, 7, 7, 7]
     # b's blocks were freed tail first, so while b waited, a's growth took its last two
     # blocks; the first two were still cached and are reused.
     assert resumed.num_computed_tokens == 8
-    assert resumed.new.block_ids[:2] == [4, 5]
-    assert resumed.new.block_ids == sched.kv_cache.block_ids("b")
+    assert resumed.block_ids[:2] == [4, 5]
+    assert resumed.block_ids == sched.kv_cache.block_ids("b")
 
 
 def test_abort_mid_prefill_frees_blocks() -> None:
@@ -231,8 +247,9 @@ def test_stop_token_sets_stop_reason() -> None:
 
 def test_prompt_too_long_and_duplicate_ids_are_refused() -> None:
     sched = make_scheduler(max_model_len=16)
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(RequestValidationError, match="max_model_len") as refused:
         sched.add_request(make_request("r", 16))
+    assert refused.value.param == "prompt"
     sched.add_request(make_request("r", 4))
     with pytest.raises(ValueError, match="duplicate"):
         sched.add_request(make_request("r", 4))

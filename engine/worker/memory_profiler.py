@@ -19,8 +19,8 @@ import torch
 from engine.attention import create_backend
 from engine.attention.backend import allocate_kv_cache
 from engine.attention.metadata import build_attention_metadata
-from engine.kv_cache import cdiv
 from engine.models.llama import DecoderModel
+from engine.utils import cdiv
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.sampler import Sampler, SamplingRow
+from engine import LLM, EngineHooks, SamplingParams
+from engine.worker.sampler import Sampler, SamplingRow, logprob_tensors
 from tests.tiny_models import make_tiny_model
 
 
@@ -109,7 +109,11 @@ def test_logprobs_are_raw_log_softmax_with_rank() -> None:
 def tiny_llm(tmp_path_factory: pytest.TempPathFactory) -> tuple[LLM, Path]:
     path = make_tiny_model("llama", tmp_path_factory.mktemp("sampling"))
     llm = LLM(
-        str(path), dtype="float32", num_kv_blocks=256, max_model_len=256, check_invariants=True
+        str(path),
+        hooks=EngineHooks(check_invariants=True),
+        dtype="float32",
+        num_kv_blocks=256,
+        max_model_len=256,
     )
     return llm, path
 
@@ -186,7 +190,7 @@ def test_prompt_logprobs_match_transformers(tiny_llm: tuple[LLM, Path]) -> None:
 
 def test_finish_reasons(tiny_llm: tuple[LLM, Path]) -> None:
     llm, _ = tiny_llm
-    eos = llm.config.arch.eos_token_ids[0]
+    eos = llm.config.model.arch.eos_token_ids[0]
     cases = [
         (SamplingParams(temperature=0.0, max_tokens=10, logit_bias={eos: 100.0}), "stop", None, 1),
         (
@@ -212,3 +216,39 @@ def test_finish_reasons(tiny_llm: tuple[LLM, Path]) -> None:
             stop_reason,
             length,
         )
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.0, top_k=3),
+        SamplingParams(temperature=1.0, top_p=0.5),
+        SamplingParams(temperature=1.0, min_p=0.2),
+        SamplingParams(temperature=1.0, seed=11),
+        SamplingParams(temperature=0.8, presence_penalty=0.5, frequency_penalty=0.5),
+        SamplingParams(temperature=0.0, repetition_penalty=1.3),
+        SamplingParams(temperature=1.0, logit_bias={2: 5.0, 3: -100.0}),
+        SamplingParams(temperature=1.0, min_tokens=4, logprobs=3),
+    ],
+    ids=lambda p: ",".join(
+        f"{k}={v}"
+        for k, v in vars(p).items()
+        if v not in (None, 1, 1.0, 0, 0.0, (), True, False) and k != "output_kind"
+    ),
+)
+def test_every_tensor_lives_on_the_logits_device(params: SamplingParams) -> None:
+    """On the meta device, mixing in a CPU tensor raises: every sampling feature, and the
+    logprobs gathering, must build its tensors where the logits are (CUDA in production)."""
+    rows = [
+        SamplingRow(params, [1, 2, 3], [2, 2, 4], (0, 5)),
+        SamplingRow(SamplingParams(temperature=0.0), [1], [], (0,)),
+    ]
+    logits = torch.empty(2, 50, device="meta")
+    sampler = Sampler(50)
+    tokens = sampler.sample(logits, rows)
+    assert tokens.device.type == "meta" and tokens.shape == (2,)
+    tensors = logprob_tensors(torch.log_softmax(logits, -1), tokens, [3, None])
+    for tensor in (tensors.chosen, tensors.ranks, tensors.top_values, tensors.top_ids):
+        assert tensor is not None and tensor.device.type == "meta"

@@ -1,5 +1,5 @@
 """KV sizing on GPU without a GPU: the block arithmetic with made-up numbers, the dummy
-profiling step (run on CPU), and the factory's use of both."""
+profiling step (run on CPU), and the worker's use of both."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.factory import EngineArgs, _num_kv_blocks
-from engine.gpu_memory import MemoryProfile, profile_batch, run_profile_step
+from engine.config import EngineArgs
 from engine.models.loader import load_model
+from engine.worker.memory_profiler import MemoryProfile, profile_batch, run_profile_step
+from engine.worker.worker import kv_blocks_for_budget
 from tests.tiny_models import make_tiny_model
 
 GIB, MIB = 1 << 30, 1 << 20
@@ -50,7 +51,7 @@ def test_profile_step_runs_on_cpu(tmp_path: Path) -> None:
     assert scratch == blocks * per_block
 
 
-def test_factory_sizes_the_gpu_cache_from_the_profile(tmp_path: Path) -> None:
+def test_worker_sizes_the_gpu_cache_from_the_profile(tmp_path: Path) -> None:
     _, arch = load_model(make_tiny_model("llama", tmp_path), torch.float32, "cpu")
     per_block = 2 * arch.num_layers * 16 * arch.num_kv_heads * arch.head_dim * 2  # bf16
     profile = MemoryProfile(total_bytes=1000 * per_block, peak_torch_bytes=0, non_torch_bytes=0)
@@ -61,12 +62,14 @@ def test_factory_sizes_the_gpu_cache_from_the_profile(tmp_path: Path) -> None:
         return profile
 
     args = EngineArgs(gpu_memory_utilization=0.5, max_num_seqs=1000)
-    blocks = _num_kv_blocks(args, arch, torch.bfloat16, 256, 1, gpu_profile)
+    blocks = kv_blocks_for_budget(args, arch, torch.bfloat16, 256, 1, gpu_profile)
     assert blocks == 500 - 1  # one block reserved for the CUDA graphs' padding
     assert calls == [1]
     # A full-length limit still caps it; an explicit count skips the profile.
-    capped = _num_kv_blocks(EngineArgs(max_num_seqs=2), arch, torch.bfloat16, 256, 0, gpu_profile)
+    capped = kv_blocks_for_budget(
+        EngineArgs(max_num_seqs=2), arch, torch.bfloat16, 256, 0, gpu_profile
+    )
     assert capped == 2 * 16
     explicit = EngineArgs(num_kv_blocks=7)
-    assert _num_kv_blocks(explicit, arch, torch.bfloat16, 64, 1, gpu_profile) == 7
+    assert kv_blocks_for_budget(explicit, arch, torch.bfloat16, 64, 1, gpu_profile) == 7
     assert calls == [1, 1]

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention.native_backend import native_kernels_available
-from engine.models import native_ops
 from engine.models.layers import RotaryEmbedding
-from engine.models.native_ops import rope_reference
+from engine.ops import native_ops
+from engine.ops.build import native_kernels_available
+from engine.ops.native_ops import rope_reference
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -1,4 +1,4 @@
-"""Per-step host-to-device copies through pinned buffers (CUDA only; the CPU path never uses it).
+"""Per-step host-to-device copies through pinned buffers (CUDA only; the CPU path never uses them).
 
 The metadata is built on the host with numpy. Each step, its tensors are copied into
 persistent pinned buffers and sent to the GPU with non_blocking=True, so the host does not
@@ -8,15 +8,10 @@ the previous copies is waited on; the step's sampling has normally finished them
 
 from __future__ import annotations
 
-import dataclasses
-
-import numpy as np
 import torch
 
-from engine.attention.metadata import AttentionMetadata
 
-
-class PinnedStaging:
+class PinnedBuffers:
     """Mutated by `to_device` only: it owns the pinned buffers, one per argument position."""
 
     def __init__(self, device: torch.device) -> None:
@@ -46,27 +41,3 @@ class PinnedStaging:
         staged = buffer[: tensor.numel()].view(tensor.shape)
         staged.copy_(tensor)
         return staged.to(self.device, non_blocking=True)
-
-    def step_inputs(
-        self, md: AttentionMetadata, input_ids: np.ndarray
-    ) -> tuple[AttentionMetadata, torch.Tensor]:
-        """Host-built metadata and input ids -> their device versions (host arrays kept)."""
-        ids, positions, slots, qo, kv, indices, last = self.to_device(
-            torch.from_numpy(input_ids),
-            md.positions,
-            md.slot_mapping,
-            md.qo_indptr,
-            md.kv_indptr,
-            md.kv_indices,
-            md.kv_last_page_len,
-        )
-        on_device = dataclasses.replace(
-            md,
-            positions=positions,
-            slot_mapping=slots,
-            qo_indptr=qo,
-            kv_indptr=kv,
-            kv_indices=indices,
-            kv_last_page_len=last,
-        )
-        return on_device, ids

@@ -12,9 +12,10 @@ import torch
 from engine.attention import create_backend, resolve_backend_name
 from engine.attention.backend import allocate_kv_cache
 from engine.attention.metadata import AttentionMetadata, build_attention_metadata
-from engine.attention.native_backend import NativeCpuAttentionBackend, native_kernels_available
+from engine.attention.native_backend import NativeCpuAttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
-from tests.engine.test_attention import CASES, dense_reference
+from engine.ops.build import native_kernels_available
+from tests.engine.attention.test_torch_backend import CASES, dense_reference
 
 # (computed, new) per request; "chunked" continues prompts that already have history.
 NATIVE_CASES = CASES | {
@@ -216,6 +217,6 @@ def test_greedy_tokens_match_the_torch_backend(tmp_path: Path) -> None:
             max_num_batched_tokens=16,
             num_kv_blocks=64,
         )
-        assert llm.config.attention_backend == backend
+        assert llm.config.device.attention_backend == backend
         tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert tokens["cpu-native"] == tokens["torch"]

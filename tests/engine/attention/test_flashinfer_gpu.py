@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, EngineHooks, SamplingParams
 from engine.attention.backend import allocate_kv_cache
 from engine.attention.flashinfer_backend import FlashInferAttentionBackend, flashinfer_available
 from engine.attention.metadata import build_attention_metadata
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.kv_cache import cdiv
-from engine.runner_state import StepBatch
-from tests.engine.test_attention import dense_reference
+from engine.utils import cdiv
+from engine.worker.cuda_graphs import pad_decode_batch
+from tests.engine.attention.test_torch_backend import dense_reference
 from tests.engine.test_correctness import LENGTHS, make_prompts
 from tests.tiny_models import make_config, save_word_tokenizer
 
@@ -161,10 +161,9 @@ def gpu_llm(path: Path, **kwargs: object) -> LLM:
         block_size=16,
         num_kv_blocks=256,
         max_model_len=256,
-        check_invariants=True,
     )
     options.update(kwargs)
-    return LLM(str(path), **options)
+    return LLM(str(path), hooks=EngineHooks(check_invariants=True), **options)
 
 
 @pytest.mark.parametrize(
@@ -179,8 +178,8 @@ def test_greedy_matches_transformers(gpu_model, mode: str) -> None:
         "chunked-prefill": {"max_num_batched_tokens": 16},
     }[mode]
     llm = gpu_llm(path, **kwargs)
-    assert llm.config.attention_backend == "flashinfer"
-    assert bool(llm.config.cuda_graph_sizes) == (mode != "eager")
+    assert llm.config.device.attention_backend == "flashinfer"
+    assert bool(llm.config.device.cuda_graph_sizes) == (mode != "eager")
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert_greedy_matches(ours, reference, margins)
@@ -192,7 +191,7 @@ def test_cuda_graph_decode_matches_eager(tmp_path: Path) -> None:
     writes only the scratch block."""
     num_blocks = 512
     llm = gpu_llm(make_gpu_model("llama", tmp_path), num_kv_blocks=num_blocks, max_num_seqs=16)
-    runner = llm.engine.core.runner
+    runner = llm.core.runner
     assert runner.graphs is not None and runner.graphs.sizes == (1, 2, 4, 8, 16)
     assert runner.kv_cache.shape[2] == num_blocks + 1  # the scratch block
     torch.manual_seed(0)
@@ -202,14 +201,20 @@ def test_cuda_graph_decode_matches_eager(tmp_path: Path) -> None:
         computed = rng.integers(0, 120, n).tolist()
         blocks = iter(rng.permutation(num_blocks).tolist())
         tables = [[next(blocks) for _ in range(cdiv(c + 1, 16))] for c in computed]
-        ids = rng.integers(3, 256, n)
-        batch = StepBatch([str(i) for i in range(n)], ids, computed, [1] * n, tables, [], [])
+        ids = torch.from_numpy(rng.integers(3, 256, n)).cuda()
         untouched = sorted(set(range(num_blocks)) - {b for t in tables for b in t})
         before = runner.kv_cache[:, :, untouched].clone()
         with torch.inference_mode():
-            graph_hidden = runner.graphs.run(ids, computed, tables, runner.staging).clone()
+            size = runner.graphs.graph_size([1] * n)
+            assert size is not None and size >= n
+            padded = pad_decode_batch(computed, tables, size, runner.graphs.scratch_block)
+            padded_md = build_attention_metadata(*padded, 16, "cuda")
+            padded_ids = torch.nn.functional.pad(ids, (0, size - n))
+            graph_hidden = runner.graphs.run(padded_md, padded_ids, n).clone()
             assert torch.equal(runner.kv_cache[:, :, untouched], before)
-            eager_hidden = runner._eager_hidden_states(batch)
+            md = build_attention_metadata(computed, [1] * n, tables, 16, "cuda")
+            runner.backend.plan(md)
+            eager_hidden = runner.model(ids, md.positions, runner.backend)
         max_diff = (graph_hidden.float() - eager_hidden.float()).abs().max().item()
         print(f"decode batch {n} (graph {runner.graphs.sizes}): max abs diff {max_diff:.2e}")
         torch.testing.assert_close(graph_hidden, eager_hidden, atol=1e-2, rtol=1e-2)
@@ -231,7 +236,7 @@ def test_kv_cache_fills_the_gpu_memory_utilization(tmp_path: Path) -> None:
         max_num_seqs=1_000_000,
         enforce_eager=True,
     )
-    kv_cache = llm.engine.core.runner.kv_cache
+    kv_cache = llm.core.runner.kv_cache
     kv_bytes = kv_cache.numel() * kv_cache.element_size()
     used = total - torch.cuda.mem_get_info()[0]
     share = utilization * total

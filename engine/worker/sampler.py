@@ -4,7 +4,9 @@ Order: raw logprobs -> logit bias, min_tokens mask, penalties -> temperature -> 
 top_p, min_p -> sample. Logprobs are those of the raw model distribution, as vLLM and
 OpenAI report them. Seeded requests draw their noise from a generator seeded by
 (seed, output index), so their tokens do not depend on the batch they run in, nor on
-preemption.
+preemption, nor on the device: that noise is drawn on the CPU and moved to the logits'
+device. Every other tensor is made on the logits' device; only the final `tolist()`
+comes back to the host.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.outputs import Logprobs
 from engine.sampling_params import SamplingParams
-from engine.scheduler.output import Logprobs
 
 _MASK = float("-inf")
 
@@ -35,6 +37,16 @@ class SamplerOutput:
     logprobs: list[Logprobs | None]
 
 
+@dataclass(frozen=True)
+class LogprobTensors:
+    """Device tensors behind a batch's Logprobs: (n,) chosen and ranks, (n, k) top."""
+
+    chosen: torch.Tensor
+    ranks: torch.Tensor
+    top_values: torch.Tensor | None
+    top_ids: torch.Tensor | None
+
+
 class Sampler:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
@@ -45,44 +57,59 @@ class Sampler:
         logits = logits[:, : self.vocab_size]
         want_logprobs = any(r.params.logprobs is not None for r in rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        if any(_needs_processing(r) for r in rows):
-            logits = self._process(logits.clone(), rows)
-        greedy = torch.tensor([r.params.greedy for r in rows])
-        tokens = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
-            sampled = self._sample(logits, rows)
-            tokens = torch.where(greedy, tokens, sampled)
+        tokens = self.sample(logits, rows)
         token_list = tokens.tolist()
         logprobs: list[Logprobs | None] = [None] * len(rows)
         if raw_logprobs is not None:
-            logprobs = collect_logprobs(raw_logprobs, token_list, [r.params.logprobs for r in rows])
+            num_top = [r.params.logprobs for r in rows]
+            tensors = logprob_tensors(raw_logprobs, tokens, num_top)
+            logprobs = to_logprobs(tensors, token_list, num_top)
         return SamplerOutput(token_list, logprobs)
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """(n,) sampled token ids on the logits' device. Does not mutate `logits`."""
+        if any(_needs_processing(r) for r in rows):
+            logits = self._process(logits.clone(), rows)
+        device = logits.device
+        greedy = torch.tensor([r.params.greedy for r in rows], device=device)
+        tokens = logits.argmax(dim=-1)
+        if not all(r.params.greedy for r in rows):
+            sampled = self._sample(logits, rows)
+            tokens = torch.where(greedy, tokens, sampled)
+        return tokens
 
     def _process(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Mutates `logits`: bias, min_tokens and penalties, row by row where set."""
+        device = logits.device
         for i, row in enumerate(rows):
             if not _needs_processing(row):
                 continue
             params = row.params
             if params.logit_bias:
-                ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
-                bias = torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype)
+                ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=device)
+                bias = torch.tensor(
+                    list(params.logit_bias.values()), dtype=logits.dtype, device=device
+                )
                 logits[i].index_add_(0, ids, bias)
             if len(row.output_token_ids) < params.min_tokens and row.stop_token_ids:
-                logits[i, list(row.stop_token_ids)] = _MASK
+                stops = torch.tensor(row.stop_token_ids, dtype=torch.long, device=device)
+                logits[i].index_fill_(0, stops, _MASK)
             if params.needs_penalties:
                 apply_penalties(logits[i], row)
         return logits
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        device = logits.device
         temperature = torch.tensor(
-            [1.0 if r.params.greedy else r.params.temperature for r in rows], dtype=logits.dtype
+            [1.0 if r.params.greedy else r.params.temperature for r in rows],
+            dtype=logits.dtype,
+            device=device,
         )
         logits = logits / temperature[:, None]
         logits = filter_top_k_top_p(logits, rows)
         probs = torch.softmax(logits, dim=-1)
-        min_p = torch.tensor([r.params.min_p for r in rows], dtype=probs.dtype)
-        if bool((min_p > 0).any()):
+        if any(r.params.min_p > 0 for r in rows):
+            min_p = torch.tensor([r.params.min_p for r in rows], dtype=probs.dtype, device=device)
             threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < threshold, 0.0)
         # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p.
@@ -90,7 +117,8 @@ class Sampler:
         for i, row in enumerate(rows):
             if row.params.seed is not None:
                 gen = torch.Generator().manual_seed(step_seed(row.params.seed, row))
-                noise[i] = torch.empty_like(probs[i]).exponential_(generator=gen)
+                seeded = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=gen)
+                noise[i] = seeded.to(device)
         return (probs / noise).argmax(dim=-1)
 
 
@@ -114,32 +142,37 @@ def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
     `frequency * count` and `presence * (count > 0)`, as in OpenAI's definition.
     """
     params = row.params
-    vocab = logits.shape[0]
+    vocab, device = logits.shape[0], logits.device
     if params.repetition_penalty != 1.0:
-        seen = torch.zeros(vocab, dtype=torch.bool)
-        seen[torch.tensor(row.prompt_token_ids + row.output_token_ids, dtype=torch.long)] = True
+        seen_ids = torch.tensor(
+            row.prompt_token_ids + row.output_token_ids, dtype=torch.long, device=device
+        )
+        seen = torch.zeros(vocab, dtype=torch.bool, device=device).index_fill_(0, seen_ids, True)
         penalised = torch.where(
             logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty
         )
         logits.copy_(torch.where(seen, penalised, logits))
     if row.output_token_ids and (params.frequency_penalty or params.presence_penalty):
-        counts = torch.bincount(torch.tensor(row.output_token_ids), minlength=vocab)[:vocab]
-        counts = counts.to(logits.dtype)
+        out_ids = torch.tensor(row.output_token_ids, dtype=torch.long, device=device)
+        counts = torch.zeros(vocab, dtype=logits.dtype, device=device)
+        counts.index_add_(0, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
 
 
 def filter_top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Masks tokens outside each row's top_k and top_p nucleus (at least one survives)."""
-    vocab = logits.shape[-1]
-    top_k = torch.tensor([r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows])
-    top_p = torch.tensor([r.params.top_p for r in rows], dtype=logits.dtype)
-    use_k, use_p = bool((top_k < vocab).any()), bool((top_p < 1.0).any())
+    vocab, device = logits.shape[-1], logits.device
+    k_values = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
+    p_values = [r.params.top_p for r in rows]
+    use_k, use_p = any(k < vocab for k in k_values), any(p < 1.0 for p in p_values)
     if not (use_k or use_p):
         return logits
+    top_k = torch.tensor(k_values, device=device)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab)[None, :]
+    ranks = torch.arange(vocab, device=device)[None, :]
     drop = ranks >= top_k[:, None]
     if use_p:
+        top_p = torch.tensor(p_values, dtype=logits.dtype, device=device)
         probs = torch.softmax(sorted_logits.masked_fill(drop, _MASK), dim=-1)
         # Keep a token while the mass before it is below top_p; the first always stays.
         mass_before = probs.cumsum(dim=-1) - probs
@@ -149,14 +182,25 @@ def filter_top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.T
     return logits.masked_fill(mask, _MASK)
 
 
-def collect_logprobs(
-    logprobs: torch.Tensor, tokens: list[int], num_top: list[int | None]
-) -> list[Logprobs | None]:
-    """The chosen token's logprob and rank plus each row's top-n alternatives."""
+def logprob_tensors(
+    logprobs: torch.Tensor, tokens: torch.Tensor, num_top: list[int | None]
+) -> LogprobTensors:
+    """On the logprobs' device: each row's chosen-token logprob and rank, and the top-k
+    alternatives for the largest k asked for."""
     k = max((n for n in num_top if n is not None), default=0)
     top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
-    chosen = logprobs.gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
     ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
+    return LogprobTensors(chosen, ranks, top_values, top_ids)
+
+
+def to_logprobs(
+    tensors: LogprobTensors, tokens: list[int], num_top: list[int | None]
+) -> list[Logprobs | None]:
+    """Host Logprobs from LogprobTensors (None where a row asked for none)."""
+    chosen, ranks = tensors.chosen.tolist(), tensors.ranks.tolist()
+    top_ids = tensors.top_ids.tolist() if tensors.top_ids is not None else None
+    top_values = tensors.top_values.tolist() if tensors.top_values is not None else None
     result: list[Logprobs | None] = []
     for i, n in enumerate(num_top):
         if n is None:
@@ -164,6 +208,14 @@ def collect_logprobs(
             continue
         top: list[tuple[int, float]] = []
         if n and top_ids is not None and top_values is not None:
-            top = list(zip(top_ids[i, :n].tolist(), top_values[i, :n].tolist(), strict=True))
+            top = list(zip(top_ids[i][:n], top_values[i][:n], strict=True))
         result.append(Logprobs(tokens[i], float(chosen[i]), int(ranks[i]), top))
     return result
+
+
+def collect_logprobs(
+    logprobs: torch.Tensor, tokens: list[int], num_top: list[int | None]
+) -> list[Logprobs | None]:
+    """The chosen tokens' logprobs and ranks plus each row's top-n alternatives."""
+    token_tensor = torch.tensor(tokens, dtype=torch.long, device=logprobs.device)
+    return to_logprobs(logprob_tensors(logprobs, token_tensor, num_top), tokens, num_top)

@@ -11,8 +11,13 @@ import torch
 
 from engine.attention.backend import allocate_kv_cache
 from engine.attention.flashinfer_backend import FlashInferAttentionBackend
-from engine.attention.metadata import AttentionMetadata, build_attention_metadata
-from engine.cuda_graphs import (
+from engine.attention.metadata import build_attention_metadata
+from engine.kv_cache import KVCacheManager
+from engine.models.loader import load_model
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.utils import cdiv
+from engine.worker.cuda_graphs import (
     CudaGraphConfig,
     CudaGraphRunner,
     _Graph,
@@ -21,10 +26,6 @@ from engine.cuda_graphs import (
     graph_buffer_sizes,
     pad_decode_batch,
 )
-from engine.kv_cache import KVCacheManager, cdiv
-from engine.models.loader import load_model
-from engine.request import Request
-from engine.sampling_params import SamplingParams
 from tests.fake_flashinfer import make_fake_flashinfer
 from tests.tiny_models import make_tiny_model
 
@@ -114,15 +115,6 @@ class EagerReplayRunner(CudaGraphRunner):
         return graphs
 
 
-class HostStaging:
-    """PinnedStaging's interface, on the CPU."""
-
-    def step_inputs(
-        self, md: AttentionMetadata, input_ids: np.ndarray
-    ) -> tuple[AttentionMetadata, torch.Tensor]:
-        return md, torch.from_numpy(input_ids)
-
-
 def test_graph_runner_replays_padded_decode_steps(tmp_path: Path) -> None:
     """CudaGraphRunner.run on CPU (fake FlashInfer, graphs replaced by eager replays): each
     decode step equals the eager FlashInfer backend on the unpadded step."""
@@ -140,18 +132,22 @@ def test_graph_runner_replays_padded_decode_steps(tmp_path: Path) -> None:
     eager = FlashInferAttentionBackend(eager_cache, arch.num_heads, scale, fake, workspace)
     rng = np.random.default_rng(0)
     for n in (1, 3, 6, 8):
-        assert runner.fits([1] * n) and not runner.fits([1] * (n - 1) + [2])
+        size = runner.graph_size([1] * n)
+        assert size is not None and size >= n and runner.graph_size([1] * (n - 1) + [2]) is None
         computed = rng.integers(0, 100, n).tolist()
         blocks = iter(rng.permutation(num_blocks).tolist())
         tables = [[next(blocks) for _ in range(cdiv(c + 1, block_size))] for c in computed]
         ids = rng.integers(3, 256, n)
         md = build_attention_metadata(computed, [1] * n, tables, block_size)
+        padded = pad_decode_batch(computed, tables, size, runner.scratch_block)
+        padded_md = build_attention_metadata(*padded, block_size)
+        padded_ids = torch.from_numpy(np.pad(ids, (0, size - n)))
         with torch.inference_mode():
-            hidden = runner.run(ids, computed, tables, HostStaging())
+            hidden = runner.run(padded_md, padded_ids, n)
             eager.plan(md)
             expected = model(torch.from_numpy(ids), md.positions, eager)
         assert hidden.shape == expected.shape == (n, arch.hidden_size)
         torch.testing.assert_close(hidden, expected, atol=2e-2, rtol=2e-2)
         real = graph_cache[:, :, :num_blocks].float()
         torch.testing.assert_close(real, eager_cache[:, :, :num_blocks].float(), atol=2e-2, rtol=0)
-    assert not runner.fits([1] * 9)
+    assert runner.graph_size([1] * 9) is None

@@ -23,14 +23,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
-import numpy as np
 import torch
 
 from engine.attention.flashinfer_backend import WORKSPACE_BYTES, CudaGraphDecodeAttention
-from engine.attention.metadata import build_attention_metadata
-from engine.host_staging import PinnedStaging
-from engine.kv_cache import cdiv
+from engine.attention.metadata import AttentionMetadata, build_attention_metadata
 from engine.models.llama import DecoderModel
+from engine.utils import cdiv
 
 
 def capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -64,7 +62,7 @@ def graph_buffer_sizes(
 def pad_decode_batch(
     num_computed: Sequence[int], block_ids: Sequence[Sequence[int]], size: int, scratch_block: int
 ) -> tuple[list[int], list[int], list[list[int]]]:
-    """build_attention_metadata's (num_computed, num_new, block_ids) for a decode step of
+    """build_step_metadata's (num_computed, num_new, block_ids) for a decode step of
     len(num_computed) requests padded to `size` rows (see the module docstring)."""
     pad = size - len(num_computed)
     if pad < 0:
@@ -171,32 +169,24 @@ class CudaGraphRunner:
             hidden = self.model(ids, positions, attention)  # (size, hidden_size)
         return _Graph(graph, attention, hidden)
 
-    def fits(self, num_new: Sequence[int]) -> bool:
-        """Whether a step with these new-token counts can replay a graph."""
-        return all(n == 1 for n in num_new) and bucket_for(len(num_new), self.sizes) is not None
+    def graph_size(self, num_new: Sequence[int]) -> int | None:
+        """The padded batch size whose graph replays a step with these new-token counts, or
+        None when the step must run eagerly (not decode-only, or too many requests)."""
+        if not all(n == 1 for n in num_new):
+            return None
+        return bucket_for(len(num_new), self.sizes)
 
-    def run(
-        self,
-        input_ids: np.ndarray,
-        num_computed: Sequence[int],
-        block_ids: Sequence[Sequence[int]],
-        staging: PinnedStaging,
-    ) -> torch.Tensor:
-        """One decode step of len(num_computed) requests -> their (n, hidden_size) states.
-
-        The result is a view of the graph's output: use it before the next `run`."""
-        n = len(num_computed)
-        size = bucket_for(n, self.sizes)
-        if size is None or len(input_ids) != n:
-            raise ValueError(f"no graph for a decode step of {n} requests")
-        padded = pad_decode_batch(num_computed, block_ids, size, self.scratch_block)
-        md_host = build_attention_metadata(*padded, self.block_size, "cpu")
-        ids_host = np.zeros(size, dtype=np.int64)
-        ids_host[:n] = input_ids
-        md, ids = staging.step_inputs(md_host, ids_host)
-        graph = self._graphs[size]
-        self.input_ids[:size].copy_(ids)
+    def run(self, md: AttentionMetadata, input_ids: torch.Tensor, num_reqs: int) -> torch.Tensor:
+        """Replays the graph of md.num_reqs rows: `md` and `input_ids` describe the step
+        padded with pad_decode_batch, already on the device. Returns the first `num_reqs`
+        rows' (num_reqs, hidden_size) states: a view of the graph's output, to be used before
+        the next `run`."""
+        size = md.num_reqs
+        graph = self._graphs.get(size)
+        if graph is None or input_ids.shape[0] != size:
+            raise ValueError(f"no graph of size {size} for {input_ids.shape[0]} input ids")
+        self.input_ids[:size].copy_(input_ids)
         self.positions[:size].copy_(md.positions)
         graph.attention.plan(md)
         graph.graph.replay()
-        return graph.hidden[:n]
+        return graph.hidden[:num_reqs]

@@ -1,0 +1,19 @@
+"""The engine's error types. The server maps them to HTTP statuses without reading messages."""
+
+from __future__ import annotations
+
+
+class RequestValidationError(ValueError):
+    """A request the engine cannot run as given.
+
+    `param` names the offending field as the OpenAI API spells it (None when no single field
+    is to blame), so a gateway can answer 400 with it.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed; no request can make progress any more."""

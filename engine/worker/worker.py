@@ -1,0 +1,173 @@
+"""The device side of the engine: where it runs, the loaded weights, the KV cache's size and
+the model runner. The device-dependent decisions of the configuration are made here."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from engine.attention import resolve_backend_name
+from engine.attention.backend import kv_cache_bytes_per_block
+from engine.config import CacheConfig, DeviceConfig, EngineArgs, ModelConfig, SchedulerConfig
+from engine.models.arch import ModelArch
+from engine.models.loader import load_model
+from engine.utils import cdiv
+from engine.worker.cuda_graphs import CudaGraphConfig, capture_sizes
+from engine.worker.memory_profiler import MemoryProfile, profile_gpu_memory
+from engine.worker.model_runner import ModelRunner
+from engine.worker.step_profiler import StepProfiler
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was requested, but CUDA is not available")
+    if name != "cpu" and not name.startswith("cuda"):
+        raise ValueError(f"unknown device {name!r}; choose auto, cpu or cuda")
+    return torch.device(name)
+
+
+def cpu_supports_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        if name not in DTYPES:
+            raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(DTYPES)}")
+        return DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+
+
+def available_cpus() -> int:
+    """CPUs this process may use: affinity, capped by a cgroup v2 CPU quota."""
+    count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    count = count or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if quota != "max":
+            count = min(count, max(1, int(int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return count
+
+
+def resolve_device_config(args: EngineArgs) -> DeviceConfig:
+    """Device, dtype, attention backend and threads (may build the native CPU kernels)."""
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    backend = resolve_backend_name(args.attention_backend, device, dtype)
+    sizes: tuple[int, ...] = ()
+    if device.type == "cuda" and not args.enforce_eager:
+        if backend == "flashinfer":
+            sizes = capture_sizes(args.max_num_seqs)
+        else:
+            logger.info("CUDA graphs need the flashinfer attention backend; decoding eagerly")
+    dtype_name = str(dtype).removeprefix("torch.")
+    return DeviceConfig(
+        str(device), dtype_name, backend, args.num_threads or available_cpus(), sizes
+    )
+
+
+class Worker:
+    """Loads the model on construction; then sizes the KV cache and builds the runner."""
+
+    def __init__(self, args: EngineArgs, model: ModelConfig) -> None:
+        self.device_config = resolve_device_config(args)
+        self.model_config = model
+        self.device = torch.device(self.device_config.device)
+        self.dtype = DTYPES[self.device_config.dtype]
+        self.model, _ = load_model(model.weights, self.dtype, self.device)
+
+    @property
+    def _graph_scratch_blocks(self) -> int:
+        """CUDA graphs' padding rows write one scratch block the KV manager never sees."""
+        return 1 if self.device_config.cuda_graph_sizes else 0
+
+    def num_kv_blocks(self, args: EngineArgs, scheduler: SchedulerConfig) -> int:
+        """Explicit count, else what the memory budget holds beside the scratch block; never
+        fewer than one full-length request needs. On GPU without an explicit
+        --kv-cache-memory, the budget comes from --gpu-memory-utilization after a profiling
+        step."""
+        gpu_profile = None
+        if self.device.type == "cuda":
+
+            def gpu_profile() -> MemoryProfile:
+                return profile_gpu_memory(
+                    self.model,
+                    self.device_config.attention_backend,
+                    scheduler.max_num_batched_tokens,
+                    scheduler.max_num_seqs,
+                    scheduler.max_model_len,
+                    args.block_size,
+                )
+
+        return kv_blocks_for_budget(
+            args,
+            self.model_config.arch,
+            self.dtype,
+            scheduler.max_model_len,
+            self._graph_scratch_blocks,
+            gpu_profile,
+        )
+
+    def create_runner(self, cache: CacheConfig, profile: bool = False) -> ModelRunner:
+        graphs = None
+        if self.device_config.cuda_graph_sizes:
+            sizes = self.device_config.cuda_graph_sizes
+            graphs = CudaGraphConfig(sizes, self.model_config.max_model_len)
+        return ModelRunner(
+            self.model,
+            self.model_config.arch,
+            cache,
+            self.device_config,
+            StepProfiler(enabled=profile),
+            graphs,
+        )
+
+
+def kv_blocks_for_budget(
+    args: EngineArgs,
+    arch: ModelArch,
+    dtype: torch.dtype,
+    max_model_len: int,
+    reserved_blocks: int,
+    gpu_profile: Callable[[], MemoryProfile] | None,
+) -> int:
+    """The number of KV blocks the scheduler may hand out (see Worker.num_kv_blocks)."""
+    needed = cdiv(max_model_len, args.block_size)
+    if args.num_kv_blocks is not None:
+        return args.num_kv_blocks
+    per_block = kv_cache_bytes_per_block(
+        arch.num_layers, args.block_size, arch.num_kv_heads, arch.head_dim, dtype
+    )
+    if args.kv_cache_memory is not None:
+        fits = args.kv_cache_memory // per_block - reserved_blocks
+    elif gpu_profile is not None:
+        fits = gpu_profile().kv_blocks(args.gpu_memory_utilization, per_block, reserved_blocks)
+    else:
+        fits = DEFAULT_CPU_KV_CACHE_BYTES // per_block - reserved_blocks
+    # More blocks than every sequence at full length could use only wastes memory.
+    num_blocks = min(fits, args.max_num_seqs * needed)
+    if num_blocks < needed:
+        raise ValueError(
+            f"the KV cache budget holds {num_blocks} blocks, fewer than the {needed} one request "
+            f"of max_model_len={max_model_len} needs; lower --max-model-len or raise the budget"
+        )
+    return int(num_blocks)
