@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -79,6 +80,7 @@ def create_app(engine: AsyncLLM | Callable[[], AsyncLLM], settings: ServerSettin
             loading.cancel()
         if state.serving is not None:
             await state.serving.engine.stop()
+            state.serving.close()
 
     app = FastAPI(title="pagedserve", version=package_version(), lifespan=lifespan)
     app.state.gateway = state
@@ -171,10 +173,11 @@ def _add_routes(app: FastAPI, state: AppState) -> None:
         body = await parse(request, TokenizeRequest)
         check_model(ctx, body.model)
         if body.messages is not None:
-            ids = render_chat(ctx, body.messages, body.add_generation_prompt is not False)
+            ids = await render_chat(ctx, body.messages, body.add_generation_prompt is not False)
         else:
             add_special = body.add_special_tokens is not False
-            ids = list(ctx.tokenizer.encode(body.prompt, add_special_tokens=add_special))
+            encode = functools.partial(ctx.tokenizer.encode, add_special_tokens=add_special)
+            ids = list(await ctx.tokenizer_call(len(body.prompt), encode, body.prompt))
         return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
@@ -183,7 +186,8 @@ def _add_routes(app: FastAPI, state: AppState) -> None:
         body = await parse(request, DetokenizeRequest)
         check_model(ctx, body.model)
         check_token_ids(body.tokens, ctx.vocab_size, "tokens")
-        return {"prompt": ctx.tokenizer.decode(body.tokens)}
+        text = await ctx.tokenizer_call(len(body.tokens), ctx.tokenizer.decode, body.tokens)
+        return {"prompt": text}
 
     @app.get("/version")
     async def get_version() -> dict[str, str]:

@@ -22,31 +22,37 @@ from server.serving import (
 )
 
 
-def render_chat(
+async def render_chat(
     ctx: ServingContext,
     messages: list[ChatMessage],
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
 ) -> list[int]:
-    """Applies the tokenizer's chat template and tokenizes the result."""
+    """Applies the tokenizer's chat template and tokenizes the result (off the event loop
+    for long conversations)."""
     if not getattr(ctx.tokenizer, "chat_template", None):
         raise OpenAIError(400, "this model has no chat template; use /v1/completions", "messages")
     conversation = [
         {"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {})
         for m in messages
     ]
-    try:
-        text = ctx.tokenizer.apply_chat_template(
-            conversation,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-        )
-    except Exception as exc:  # a template may raise on a conversation it does not accept
-        raise OpenAIError(
-            400, f"the chat template rejected the messages: {exc}", "messages"
-        ) from None
-    return list(ctx.tokenizer.encode(text, add_special_tokens=False))
+
+    def render() -> list[int]:
+        try:
+            text = ctx.tokenizer.apply_chat_template(
+                conversation,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+            )
+        except Exception as exc:  # a template may raise on a conversation it does not accept
+            raise OpenAIError(
+                400, f"the chat template rejected the messages: {exc}", "messages"
+            ) from None
+        return list(ctx.tokenizer.encode(text, add_special_tokens=False))
+
+    size = sum(len(m["content"]) for m in conversation)
+    return await ctx.tokenizer_call(size, render)
 
 
 def _logprob_entries(ctx: ServingContext, entries: list[Logprobs]) -> list[dict[str, Any]]:
@@ -63,7 +69,7 @@ def _logprob_entries(ctx: ServingContext, entries: list[Logprobs]) -> list[dict[
 async def create_chat_completion(
     ctx: ServingContext, body: ChatCompletionRequest, request_id: str
 ) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
-    prompt = render_chat(
+    prompt = await render_chat(
         ctx,
         body.messages,
         add_generation_prompt=body.add_generation_prompt is not False

@@ -22,10 +22,11 @@ from server.serving import (
 )
 
 
-def tokenize_prompts(
+async def tokenize_prompts(
     ctx: ServingContext, prompt: str | list[str] | list[int] | list[list[int]]
 ) -> list[list[int]]:
-    """str | list[str] | list[int] | list[list[int]] -> token id lists."""
+    """str | list[str] | list[int] | list[list[int]] -> token id lists (long texts are
+    tokenized off the event loop)."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
@@ -33,7 +34,10 @@ def tokenize_prompts(
     batch: list[Any] = [prompt] if all(isinstance(p, int) for p in prompt) else list(prompt)
     prompts: list[list[int]] = []
     for p in batch:
-        ids = list(ctx.tokenizer.encode(p)) if isinstance(p, str) else list(p)
+        if isinstance(p, str):
+            ids = list(await ctx.tokenizer_call(len(p), ctx.tokenizer.encode, p))
+        else:
+            ids = list(p)
         check_token_ids(ids, ctx.vocab_size, "prompt")
         prompts.append(ids)
     return prompts
@@ -89,7 +93,7 @@ def _echo_logprobs(ctx: ServingContext, run: PromptRun) -> CompletionLogprobs:
 async def create_completion(
     ctx: ServingContext, body: CompletionRequest, request_id: str
 ) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
-    prompts = tokenize_prompts(ctx, body.prompt)
+    prompts = await tokenize_prompts(ctx, body.prompt)
     params = [sampling_params(body, len(p), ctx.max_model_len, ctx.vocab_size) for p in prompts]
     runs = make_runs(prompts, params)
     response_id = f"cmpl-{request_id}"

@@ -11,10 +11,11 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from engine import (
     AsyncLLM,
@@ -27,6 +28,12 @@ from engine import (
 from server.errors import OpenAIError, error_body
 from server.metrics import ServerMetrics
 
+T = TypeVar("T")
+# Text longer than this is tokenized (or a chat template rendered) off the event loop, so
+# the loop keeps streaming other requests' tokens meanwhile; below it, the hop to a thread
+# would cost more than the work.
+OFF_LOOP_CHARS = 4096
+
 
 @dataclass
 class ServingContext:
@@ -36,6 +43,20 @@ class ServingContext:
     model_name: str
     metrics: ServerMetrics
     _token_text: dict[int, str] = field(default_factory=dict)
+    # One thread: long inputs are tokenized one at a time, beside the event loop.
+    _tokenizer_thread: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+    )
+
+    async def tokenizer_call(self, size: int, func: Callable[..., T], *args: Any) -> T:
+        """func(*args), on the tokenizer thread when `size` (characters or tokens) is
+        large enough for it to hold up the event loop."""
+        if size < OFF_LOOP_CHARS:
+            return func(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, func, *args)
+
+    def close(self) -> None:
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     @property
     def tokenizer(self) -> Any:
