@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineArgs, EngineHooks
-from engine.errors import EngineDeadError, RequestValidationError
+from engine.errors import EngineClosedError, EngineDeadError, RequestValidationError
 from engine.models.default_model import DEFAULT_MODEL_NAME, prepare_default_model
 from engine.outputs import (
     CompletionOutput,
@@ -22,6 +22,7 @@ from engine.outputs import (
 )
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler.output import SchedulerStats
+from engine.streams import RequestStream
 
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM, StatsListener
@@ -33,6 +34,7 @@ __all__ = [
     "AsyncLLM",
     "CompletionOutput",
     "EngineArgs",
+    "EngineClosedError",
     "EngineDeadError",
     "EngineHooks",
     "FinishedRequestStats",
@@ -40,6 +42,7 @@ __all__ = [
     "Logprobs",
     "RequestOutput",
     "RequestOutputKind",
+    "RequestStream",
     "RequestValidationError",
     "SamplingParams",
     "SchedulerStats",

@@ -13,18 +13,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import EngineArgs, EngineConfig, EngineHooks, load_tokenizer
 from engine.core import EngineCore
-from engine.errors import EngineDeadError, RequestValidationError
+from engine.errors import EngineClosedError, EngineDeadError, RequestValidationError
 from engine.output_processor import OutputProcessor
-from engine.outputs import IterationStats, RequestOutput
-from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.outputs import IterationStats
+from engine.sampling_params import SamplingParams
 from engine.scheduler.output import SchedulerStats, StepResult
+from engine.streams import OutputCollector, RequestStream
 
 logger = logging.getLogger(__name__)
 
@@ -48,33 +49,6 @@ class _Abort:
     request_id: str
 
 
-class _Collector:
-    """One request's outputs, waiting for its consumer. A consumer that falls behind gets
-    the DELTA outputs merged into one; a CUMULATIVE output replaces the older one."""
-
-    def __init__(self, kind: RequestOutputKind) -> None:
-        self._merge = kind is RequestOutputKind.DELTA
-        self._item: RequestOutput | BaseException | None = None
-        self._ready = asyncio.Event()
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        pending = self._item
-        if self._merge and isinstance(pending, RequestOutput) and isinstance(item, RequestOutput):
-            pending.merge(item)
-        else:
-            self._item = item
-        self._ready.set()
-
-    async def get(self) -> RequestOutput:
-        while self._item is None:
-            self._ready.clear()
-            await self._ready.wait()
-        item, self._item = self._item, None
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-
 class AsyncLLM:
     def __init__(self, core: EngineCore, tokenizer: Any) -> None:
         self.core = core
@@ -82,12 +56,17 @@ class AsyncLLM:
         self.tokenizer = tokenizer
         self._processor = OutputProcessor(tokenizer, core.config.model.arch.eos_token_ids)
         self._inbox: asyncio.Queue[_Add | _Abort] = asyncio.Queue()
-        self._collectors: dict[str, _Collector] = {}
+        self._collectors: dict[str, OutputCollector] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._task: asyncio.Task[None] | None = None
         self._listener: StatsListener | None = None
         self._abort_stats = IterationStats()
         self.error: BaseException | None = None
+        self._closed_reason: str | None = None
+        # Choices (and their prompt tokens) not running yet: in the inbox, and in the
+        # scheduler's waiting queue as of the last step. Read by admission control.
+        self._inbox_load = [0, 0]
+        self._waiting_load = [0, 0]
         # Monotonic time of the last finished step, or of the moment work arrived while
         # idle: readiness compares it with now to detect a stalled loop.
         self.last_progress = time.monotonic()
@@ -116,6 +95,14 @@ class AsyncLLM:
                 logger.debug("engine loop cancelled")
         await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
 
+    def close(self, reason: str) -> None:
+        """Cuts off every open request and refuses new ones: their streams, and later
+        generate() calls, raise EngineClosedError(reason). The streams then abort their
+        choices; the loop runs on (to free their blocks) until stop()."""
+        self._closed_reason = reason
+        for collector in self._collectors.values():
+            collector.put(EngineClosedError(reason))
+
     @property
     def is_alive(self) -> bool:
         return self._task is not None and not self._task.done() and self.error is None
@@ -124,9 +111,20 @@ class AsyncLLM:
     def has_pending_work(self) -> bool:
         return bool(self._collectors) or not self._inbox.empty()
 
+    @property
+    def num_queued_requests(self) -> int:
+        """Choices queued and not yet running (each of a request's n counts). A counter kept
+        on the event loop: no scan, no lock; exact again after every step."""
+        return self._inbox_load[0] + self._waiting_load[0]
+
+    @property
+    def num_queued_tokens(self) -> int:
+        """Tokens the queued choices still have to prefill, counted like num_queued_requests."""
+        return self._inbox_load[1] + self._waiting_load[1]
+
     # ---- requests ------------------------------------------------------------------
 
-    async def generate(
+    def generate(
         self,
         prompt_token_ids: list[int],
         params: SamplingParams,
@@ -135,32 +133,32 @@ class AsyncLLM:
         cache_salt: str | None = None,
         prompt: str | None = None,
         labels: Mapping[str, str] | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Yields this request's outputs (as `params.output_kind` says) until it finishes.
+    ) -> RequestStream:
+        """Queues the request now; its stream yields the outputs (as `params.output_kind`
+        says) until it finishes. Closing the stream early aborts every choice.
 
         Raises RequestValidationError for a prompt that can never run, EngineDeadError once
-        the loop has failed. Leaving the iteration early (client gone, task cancelled)
-        aborts every choice, which frees their blocks.
+        the loop has failed.
         """
         if self.error is not None:
             raise EngineDeadError(f"the engine loop has failed: {self.error!r}")
+        if self._closed_reason is not None:
+            raise EngineClosedError(self._closed_reason)
         self._validate(prompt_token_ids)
         if request_id in self._collectors:
             raise ValueError(f"duplicate request id {request_id!r}")
-        collector = _Collector(params.output_kind)
+        collector = OutputCollector(params.output_kind)
         self._collectors[request_id] = collector
         add = _Add(request_id, prompt_token_ids, params, cache_salt, prompt, labels or {})
         self._inbox.put_nowait(add)
-        finished = False
-        try:
-            while not finished:
-                output = await collector.get()
-                finished = output.finished
-                yield output
-        finally:
+        self._count(self._inbox_load, add, +1)
+
+        def release(abort: bool) -> None:
             self._collectors.pop(request_id, None)
-            if not finished:
+            if abort:
                 self.abort(request_id)
+
+        return RequestStream(request_id, collector, release)
 
     def abort(self, request_id: str) -> None:
         """Asks the loop to end a request; unknown or finished ids are ignored."""
@@ -207,6 +205,7 @@ class AsyncLLM:
         if isinstance(message, _Abort):
             self._abort(message.request_id)
             return
+        self._count(self._inbox_load, message, -1)
         collector = self._collectors.get(message.request_id)
         if collector is None:
             return  # the caller left before the loop picked the request up
@@ -225,6 +224,14 @@ class AsyncLLM:
         except ValueError as exc:
             self._abort(message.request_id)
             collector.put(exc)
+            return
+        self._count(self._waiting_load, message, +1)
+
+    @staticmethod
+    def _count(load: list[int], add: _Add, sign: int) -> None:
+        """Mutates `load`: adds (or removes) the request's choices and their tokens."""
+        load[0] += sign * add.params.n
+        load[1] += sign * add.params.n * len(add.prompt_token_ids)
 
     def _abort(self, request_id: str) -> None:
         engine_ids, stats = self._processor.abort_request(request_id)
@@ -241,6 +248,7 @@ class AsyncLLM:
         self._publish(result.stats, processed.stats)
 
     def _publish(self, stats: SchedulerStats, iteration: IterationStats) -> None:
+        self._waiting_load = [stats.num_waiting, stats.num_waiting_tokens]
         iteration.finished += self._abort_stats.finished
         self._abort_stats = IterationStats()
         if self._listener is not None:

@@ -64,6 +64,8 @@ class EngineHooks:
     check_invariants: bool = False
     # Fault injection: the step after this many raises.
     fail_after_steps: int | None = None
+    # Fault injection: every step first sleeps this long (a slow or stalled device).
+    step_delay: float = 0.0
     # Accumulate where step time goes (see engine.worker.step_profiler).
     profile: bool = False
 

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 
 from engine.config import (
@@ -87,6 +88,8 @@ class EngineCore:
         fail_after = self.hooks.fail_after_steps
         if fail_after is not None and self.num_steps >= fail_after:
             raise RuntimeError("injected engine step failure (test hook)")
+        if self.hooks.step_delay:
+            time.sleep(self.hooks.step_delay)
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute(scheduler_output)
         result = self.scheduler.update_from_output(scheduler_output, runner_output)

@@ -17,3 +17,7 @@ class RequestValidationError(ValueError):
 
 class EngineDeadError(RuntimeError):
     """The engine loop failed; no request can make progress any more."""
+
+
+class EngineClosedError(RuntimeError):
+    """The engine was closed (the server is shutting down): its requests were cut off."""

@@ -83,6 +83,8 @@ class SchedulerStats:
     num_running: int
     num_waiting: int
     kv_cache_usage: float
+    # Tokens the waiting requests have yet to compute (each recomputes from scratch).
+    num_waiting_tokens: int = 0
     num_scheduled_tokens: int = 0
     # Deltas over this step.
     prefix_cache_queries: int = 0

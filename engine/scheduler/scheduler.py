@@ -247,6 +247,7 @@ class Scheduler:
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             kv_cache_usage=self.kv_cache.usage(),
+            num_waiting_tokens=sum(r.num_tokens for r in self.waiting),
             num_scheduled_tokens=num_scheduled_tokens,
             prefix_cache_queries=counters.queries - self._last_queries,
             prefix_cache_hits=counters.hits - self._last_hits,
