@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, TypeVar
@@ -14,16 +13,30 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine import AsyncLLM
+from server.admission import Admission, QueueLimits
+from server.body import parse_body
 from server.chat import create_chat_completion, render_chat
-from server.completions import create_completion
-from server.errors import OpenAIError, error_body, from_validation_error
+from server.completions import create_completion, prompt_batch
+from server.disconnect import CLIENT_CLOSED_REQUEST, ClientDisconnected, cancel_on_disconnect
+from server.errors import OpenAIError, error_body
 from server.metrics import ServerMetrics
 from server.middleware import GatewayMiddleware
+from server.openapi import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    DetokenizeResponse,
+    ModelList,
+    ProbeResponse,
+    TokenizeResponse,
+    VersionResponse,
+    install_openapi,
+    route_docs,
+)
 from server.params import check_token_ids
 from server.protocol import (
     ChatCompletionRequest,
@@ -31,7 +44,7 @@ from server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from server.serving import ServingContext, sse_events
+from server.serving import Caller, ServingContext, sse_events
 from server.settings import AppState, Phase, ServerSettings
 
 logger = logging.getLogger("pagedserve.server")
@@ -52,11 +65,20 @@ def create_app(engine: AsyncLLM | Callable[[], AsyncLLM], settings: ServerSettin
 
     def attach(loaded: AsyncLLM) -> None:
         model_name = settings.served_model_name or loaded.config.model.name
-        metrics = ServerMetrics(model_name, log_requests=settings.log_requests)
-        cache = loaded.config.cache
+        metrics = ServerMetrics(
+            model_name, log_requests=settings.log_requests, tenant_metrics=settings.tenant_metrics
+        )
+        cache, scheduler = loaded.config.cache, loaded.config.scheduler
         metrics.set_cache_config(cache.block_size, cache.num_blocks, cache.enable_prefix_caching)
+        limits = QueueLimits.resolve(
+            settings.max_num_queued_reqs,
+            settings.max_num_queued_tokens,
+            scheduler.max_num_seqs,
+            scheduler.max_num_batched_tokens,
+        )
+        admission = Admission(loaded, limits, metrics.count_rejection)
         loaded.start(metrics.record)
-        state.serving = ServingContext(loaded, model_name, metrics)
+        state.serving = ServingContext(loaded, model_name, metrics, admission)
         state.phase = Phase.READY
         logger.info("ready: serving %s", model_name)
 
@@ -87,6 +109,7 @@ def create_app(engine: AsyncLLM | Callable[[], AsyncLLM], settings: ServerSettin
     app.add_middleware(GatewayMiddleware, state=state)
     _install_error_handlers(app)
     _add_routes(app, state)
+    install_openapi(app)
     return app
 
 
@@ -94,6 +117,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(ClientDisconnected)
+    async def client_gone(request: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -108,17 +135,27 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 async def parse(request: Request, model: type[Body]) -> Body:
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise OpenAIError(400, f"We could not parse the JSON body of your request: {exc}") from None
-    if not isinstance(data, dict):
-        raise OpenAIError(400, "the request body must be a JSON object")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise from_validation_error(exc) from None
+    return parse_body(await request.body(), model)
+
+
+def admit(request: Request, ctx: ServingContext, num_choices: int) -> Caller:
+    """Reserves queue room for the request's choices (503 or 400 when there is none) until
+    the engine has them, or the exchange ends."""
+    ticket = ctx.admission.admit(num_choices)
+    request.state.cleanup.callback(ticket.release)
+    return Caller(request.state.request_id, ticket, request.state.tenant)
+
+
+async def respond(
+    request: Request,
+    work: Coroutine[Any, Any, dict[str, Any] | AsyncIterator[dict[str, Any]]],
+) -> Response:
+    """Runs a generation endpoint's work, cancelled if the client leaves before the
+    response starts; a stream then watches the connection itself."""
+    result = await cancel_on_disconnect(request.receive, work)
+    if isinstance(result, dict):
+        return JSONResponse(result)
+    return EventSourceResponse(sse_events(result), ping=15)
 
 
 def _add_routes(app: FastAPI, state: AppState) -> None:
@@ -133,28 +170,25 @@ def _add_routes(app: FastAPI, state: AppState) -> None:
                 404, f"The model `{model}` does not exist.", "model", code="model_not_found"
             )
 
-    async def respond(result: dict[str, Any] | AsyncIterator[dict[str, Any]]) -> Any:
-        if isinstance(result, dict):
-            return JSONResponse(result)
-        return EventSourceResponse(sse_events(result), ping=15)
-
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **route_docs(CompletionRequest, CompletionResponse, True))
     async def completions(request: Request) -> Any:
         ctx = serving()
         body = await parse(request, CompletionRequest)
         check_model(ctx, body.model)
-        result = await create_completion(ctx, body, request.state.request_id)
-        return await respond(result)
+        caller = admit(request, ctx, len(prompt_batch(body.prompt)) * (body.n or 1))
+        return await respond(request, create_completion(ctx, body, caller))
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions", **route_docs(ChatCompletionRequest, ChatCompletionResponse, True)
+    )
     async def chat_completions(request: Request) -> Any:
         ctx = serving()
         body = await parse(request, ChatCompletionRequest)
         check_model(ctx, body.model)
-        result = await create_chat_completion(ctx, body, request.state.request_id)
-        return await respond(result)
+        caller = admit(request, ctx, body.n or 1)
+        return await respond(request, create_chat_completion(ctx, body, caller))
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", **route_docs(None, ModelList))
     async def models() -> dict[str, Any]:
         ctx = serving()
         card = {
@@ -167,7 +201,7 @@ def _add_routes(app: FastAPI, state: AppState) -> None:
         }
         return {"object": "list", "data": [card]}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", **route_docs(TokenizeRequest, TokenizeResponse))
     async def tokenize(request: Request) -> dict[str, Any]:
         ctx = serving()
         body = await parse(request, TokenizeRequest)
@@ -180,7 +214,7 @@ def _add_routes(app: FastAPI, state: AppState) -> None:
             ids = list(await ctx.tokenizer_call(len(body.prompt), encode, body.prompt))
         return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", **route_docs(DetokenizeRequest, DetokenizeResponse))
     async def detokenize(request: Request) -> dict[str, Any]:
         ctx = serving()
         body = await parse(request, DetokenizeRequest)
@@ -189,25 +223,25 @@ def _add_routes(app: FastAPI, state: AppState) -> None:
         text = await ctx.tokenizer_call(len(body.tokens), ctx.tokenizer.decode, body.tokens)
         return {"prompt": text}
 
-    @app.get("/version")
+    @app.get("/version", **route_docs(None, VersionResponse))
     async def get_version() -> dict[str, str]:
         return {"version": package_version()}
 
-    @app.get("/health")
+    @app.get("/health", **route_docs(None, ProbeResponse))
     async def health() -> Response:
         alive, reason = state.liveness()
         return JSONResponse(
             {"status": "ok" if alive else "unhealthy", "reason": reason}, 200 if alive else 503
         )
 
-    @app.get("/ready")
+    @app.get("/ready", **route_docs(None, ProbeResponse))
     async def ready() -> Response:
         ok, reason = state.readiness()
         return JSONResponse(
             {"status": "ready" if ok else "not ready", "reason": reason}, 200 if ok else 503
         )
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         if state.serving is None:
             return PlainTextResponse("", media_type=CONTENT_TYPE_LATEST)

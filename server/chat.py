@@ -10,6 +10,7 @@ from server.errors import OpenAIError
 from server.params import sampling_params
 from server.protocol import ChatCompletionRequest, ChatMessage
 from server.serving import (
+    Caller,
     Choice,
     PromptRun,
     ServingContext,
@@ -67,7 +68,7 @@ def _logprob_entries(ctx: ServingContext, entries: list[Logprobs]) -> list[dict[
 
 
 async def create_chat_completion(
-    ctx: ServingContext, body: ChatCompletionRequest, request_id: str
+    ctx: ServingContext, body: ChatCompletionRequest, caller: Caller
 ) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
     prompt = await render_chat(
         ctx,
@@ -78,10 +79,11 @@ async def create_chat_completion(
     )
     params = sampling_params(body, len(prompt), ctx.max_model_len, ctx.vocab_size)
     runs = make_runs([prompt], [params])
-    response_id = f"chatcmpl-{request_id}"
+    caller.reserve_tokens(runs, "messages")
+    response_id = f"chatcmpl-{caller.request_id}"
     if body.stream:
-        return _stream(ctx, body, runs, request_id, response_id)
-    await run_to_completion(ctx, runs, request_id, body.cache_salt, body.user)
+        return _stream(ctx, body, runs, caller, response_id)
+    await run_to_completion(ctx, runs, caller, body.cache_salt, body.user)
     choices = [_final_choice(ctx, body, c) for c in runs[0].choices]
     return response_body(ctx, response_id, "chat.completion", choices, runs)
 
@@ -103,7 +105,7 @@ async def _stream(
     ctx: ServingContext,
     body: ChatCompletionRequest,
     runs: list[PromptRun],
-    request_id: str,
+    caller: Caller,
     response_id: str,
 ) -> AsyncIterator[dict[str, Any]]:
     created = now()
@@ -125,7 +127,7 @@ async def _stream(
     # The role comes first, in its own chunk per choice, as OpenAI sends it.
     for choice in runs[0].choices:
         yield chunk(choice.index, {"role": "assistant", "content": ""})
-    outputs = stream_outputs(ctx, runs, request_id, body.cache_salt, body.user)
+    outputs = stream_outputs(ctx, runs, caller, body.cache_salt, body.user)
     async for run, output in outputs:
         for choice, delta in run.fold(output):
             entries = delta.logprobs or []

@@ -71,6 +71,11 @@ class Option:
             return parse_bool
         return base if base in (int, float) else str
 
+    @property
+    def is_list(self) -> bool:
+        """A repeatable value: `--flag A B` on the command line, `A,B` in the environment."""
+        return typing.get_origin(self.annotation) is list
+
     def choices(self) -> tuple[str, ...] | None:
         if "choices" in self.extra:
             return tuple(self.extra["choices"])
@@ -107,13 +112,17 @@ def _add_option(parser: argparse.ArgumentParser, option: Option) -> None:
     convert = option.parser()
     default = option.default
     raw = os.environ.get(env_name(option.name))
-    if raw is not None and raw != "":
+    if raw is not None and raw != "" and option.is_list:
+        default = [item for item in re.split(r"[,\s]+", raw) if item]
+    elif raw is not None and raw != "":
         try:
             default = convert(raw)
         except (ValueError, argparse.ArgumentTypeError) as exc:
             parser.error(f"{env_name(option.name)}={raw!r}: {exc}")
     help_text = f"{option.help} [env {env_name(option.name)}]"
-    if option.extra.get("positional"):
+    if option.is_list:
+        parser.add_argument(option.flag, nargs="+", default=default, help=help_text)
+    elif option.extra.get("positional"):
         parser.add_argument(option.name, nargs="?", default=default, help=help_text)
     elif convert is parse_bool:
         action = argparse.BooleanOptionalAction
@@ -134,7 +143,6 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ServerSettings, EngineA
     """The parsed flags as the two configs; raises ValidationError for bad server values."""
     engine_args = EngineArgs(**{o.name: getattr(args, o.name) for o in engine_options()})
     values = {o.name: getattr(args, o.name) for o in server_options()}
-    values["api_key"] = values["api_key"] or None
     return ServerSettings(**values), engine_args
 
 

@@ -10,6 +10,7 @@ from server.errors import OpenAIError
 from server.params import check_token_ids, sampling_params
 from server.protocol import CompletionRequest
 from server.serving import (
+    Caller,
     Choice,
     PromptRun,
     ServingContext,
@@ -22,18 +23,23 @@ from server.serving import (
 )
 
 
+def prompt_batch(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """The prompts of a request: a string, strings, token ids or lists of them."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise OpenAIError(400, "prompt must not be empty", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [prompt]  # type: ignore[list-item]
+    return list(prompt)  # type: ignore[arg-type]
+
+
 async def tokenize_prompts(
     ctx: ServingContext, prompt: str | list[str] | list[int] | list[list[int]]
 ) -> list[list[int]]:
-    """str | list[str] | list[int] | list[list[int]] -> token id lists (long texts are
-    tokenized off the event loop)."""
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    if not prompt:
-        raise OpenAIError(400, "prompt must not be empty", "prompt")
-    batch: list[Any] = [prompt] if all(isinstance(p, int) for p in prompt) else list(prompt)
+    """Token id lists, one per prompt (long texts are tokenized off the event loop)."""
     prompts: list[list[int]] = []
-    for p in batch:
+    for p in prompt_batch(prompt):
         if isinstance(p, str):
             ids = list(await ctx.tokenizer_call(len(p), ctx.tokenizer.encode, p))
         else:
@@ -91,15 +97,16 @@ def _echo_logprobs(ctx: ServingContext, run: PromptRun) -> CompletionLogprobs:
 
 
 async def create_completion(
-    ctx: ServingContext, body: CompletionRequest, request_id: str
+    ctx: ServingContext, body: CompletionRequest, caller: Caller
 ) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
     prompts = await tokenize_prompts(ctx, body.prompt)
     params = [sampling_params(body, len(p), ctx.max_model_len, ctx.vocab_size) for p in prompts]
     runs = make_runs(prompts, params)
-    response_id = f"cmpl-{request_id}"
+    caller.reserve_tokens(runs, "prompt")
+    response_id = f"cmpl-{caller.request_id}"
     if body.stream:
-        return _stream(ctx, body, runs, request_id, response_id)
-    await run_to_completion(ctx, runs, request_id, body.cache_salt, body.user)
+        return _stream(ctx, body, runs, caller, response_id)
+    await run_to_completion(ctx, runs, caller, body.cache_salt, body.user)
     choices = [_final_choice(ctx, body, run, c) for run in runs for c in run.choices]
     return response_body(ctx, response_id, "text_completion", choices, runs)
 
@@ -125,7 +132,7 @@ async def _stream(
     ctx: ServingContext,
     body: CompletionRequest,
     runs: list[PromptRun],
-    request_id: str,
+    caller: Caller,
     response_id: str,
 ) -> AsyncIterator[dict[str, Any]]:
     created = now()
@@ -144,7 +151,7 @@ async def _stream(
         return out
 
     echoed: set[int] = set()
-    outputs = stream_outputs(ctx, runs, request_id, body.cache_salt, body.user)
+    outputs = stream_outputs(ctx, runs, caller, body.cache_salt, body.user)
     async for run, output in outputs:
         for choice, delta in run.fold(output):
             text, logprobs = delta.text, None

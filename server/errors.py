@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
 
 _TYPES = {
     400: "invalid_request_error",
@@ -13,6 +12,7 @@ _TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    429: "requests",
     500: "server_error",
     503: "service_unavailable_error",
 }
@@ -27,18 +27,20 @@ class OpenAIError(Exception):
         message: str,
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.param, self.code)
 
-    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def error_body(
@@ -46,14 +48,3 @@ def error_body(
 ) -> dict[str, Any]:
     kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def from_validation_error(exc: ValidationError) -> OpenAIError:
-    """The first pydantic error, phrased as OpenAI phrases it."""
-    first = exc.errors()[0]
-    param = ".".join(str(p) for p in first["loc"]) or None
-    if first["type"] == "extra_forbidden":
-        return OpenAIError(400, f"Unrecognized request argument supplied: {param}", param)
-    if first["type"] == "missing":
-        return OpenAIError(400, f"Missing required parameter: '{param}'", param)
-    return OpenAIError(400, f"Invalid value for '{param}': {first['msg']}", param)

@@ -24,6 +24,8 @@ E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000,
                  50000, 100000)  # fmt: skip
 FINISH_REASONS = ("stop", "length", "abort")
+# Why admission turned a request away: the limit (flag) it hit.
+REJECTION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens", "tenant_concurrency")
 
 
 class ServerMetrics:
@@ -32,6 +34,7 @@ class ServerMetrics:
         model_name: str,
         registry: CollectorRegistry | None = None,
         log_requests: bool = True,
+        tenant_metrics: bool = False,
     ) -> None:
         # vLLM exposes no `_created` series; neither do we (a prometheus_client switch).
         prometheus_client.disable_created_metrics()
@@ -63,6 +66,12 @@ class ServerMetrics:
         self.errors = counter(
             "pagedserve:request_errors", "HTTP requests answered with an error status.", "code"
         )
+        self.rejected = counter(
+            "pagedserve:requests_rejected",
+            "Requests turned away by admission control (503) or a tenant's limit (429).",
+            "reason",
+        )
+        self.tenants = TenantCounters(self.registry, model_name) if tenant_metrics else None
         self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = hist("vllm:inter_token_latency_seconds", "Time between tokens.", ITL_BUCKETS)
         self.e2e = hist("vllm:e2e_request_latency_seconds", "Request latency.", E2E_BUCKETS)
@@ -80,6 +89,8 @@ class ServerMetrics:
         )
         for reason in FINISH_REASONS:
             self.success.labels(model_name, reason)
+        for reason in REJECTION_REASONS:
+            self.rejected.labels(model_name, reason)
 
     def _gauge(self, name: str, doc: str) -> Gauge:
         metric = Gauge(name, doc, ["model_name"], registry=self.registry)
@@ -133,11 +144,50 @@ class ServerMetrics:
         if finished.first_of_prompt:
             self.prompt_tokens.labels(name).inc(finished.num_prompt_tokens)
             self.request_prompt_tokens.labels(name).observe(finished.num_prompt_tokens)
+        if self.tenants is not None:
+            self.tenants.record(finished)
         if self.log_requests:
             log_request(finished)
 
     def count_error(self, status: int) -> None:
         self.errors.labels(self.model_name, str(status)).inc()
+
+    def count_rejection(self, reason: str) -> None:
+        self.rejected.labels(self.model_name, reason).inc()
+
+
+class TenantCounters:
+    """Per-tenant series, only when --tenant-metrics asks for them: one series per tenant
+    and label value, so their number grows with the keys file."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.model_name = model_name
+        labels = ["model_name", "tenant"]
+        self.requests = Counter(
+            "pagedserve:tenant_requests",
+            "Finished engine requests (choices) per tenant.",
+            [*labels, "finished_reason"],
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "pagedserve:tenant_prompt_tokens",
+            "Prompt tokens per tenant.",
+            labels,
+            registry=registry,
+        )
+        self.generation_tokens = Counter(
+            "pagedserve:tenant_generation_tokens",
+            "Generated tokens per tenant.",
+            labels,
+            registry=registry,
+        )
+
+    def record(self, finished: FinishedRequestStats) -> None:
+        tenant = finished.labels.get("tenant", "")
+        self.requests.labels(self.model_name, tenant, finished.finish_reason).inc()
+        if finished.first_of_prompt:
+            self.prompt_tokens.labels(self.model_name, tenant).inc(finished.num_prompt_tokens)
+        self.generation_tokens.labels(self.model_name, tenant).inc(finished.num_generation_tokens)
 
 
 def log_request(finished: FinishedRequestStats) -> None:
@@ -146,6 +196,7 @@ def log_request(finished: FinishedRequestStats) -> None:
         "request finished",
         extra={
             "request_id": finished.request_id,
+            "tenant": finished.labels.get("tenant"),
             "user": finished.labels.get("user"),
             "prompt_tokens": finished.num_prompt_tokens,
             "cached_tokens": finished.num_cached_tokens,

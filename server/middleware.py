@@ -1,18 +1,22 @@
-"""Pure-ASGI gateway middleware: request ids, API key, body size, drain, error counting.
+"""Pure-ASGI gateway middleware: request ids, API keys and tenants, per-tenant
+concurrency, body size, drain, error counting.
 
 Pure ASGI (not BaseHTTPMiddleware) so streaming responses and client disconnects pass
-through untouched.
+through untouched. Each request's scope state carries `request_id`, `tenant` and
+`cleanup`, an ExitStack closed when the exchange ends however it ends (a streamed
+response included), for what a route holds on the request's behalf.
 """
 
 from __future__ import annotations
 
-import hmac
+import contextlib
 import re
 import uuid
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server.admission import RETRY_AFTER_S
 from server.errors import OpenAIError
 from server.settings import AppState, Phase
 
@@ -38,7 +42,9 @@ class GatewayMiddleware:
         request_id = headers.get("x-request-id", "")
         if not _REQUEST_ID.fullmatch(request_id):
             request_id = uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = request_id
+        tenant = self.state.keys.tenant(headers.get("authorization", ""))
+        state = scope.setdefault("state", {})
+        state.update(request_id=request_id, tenant=tenant)
         started = False
 
         async def send_wrapped(message: Message) -> None:
@@ -53,40 +59,53 @@ class GatewayMiddleware:
                     self.state.serving.metrics.count_error(message["status"])
             await send(message)
 
-        rejection = self._reject(scope["path"], scope["method"], headers)
+        rejection = self._reject(scope["path"], scope["method"], headers, tenant)
         if rejection is not None:
             await rejection.response()(scope, receive, send_wrapped)
             return
         tracked = scope["path"].startswith("/v1/") and scope["method"] == "POST"
+        if tracked and not self.state.tenant_concurrency.try_acquire(tenant):
+            await self._tenant_limited().response()(scope, receive, send_wrapped)
+            return
         if tracked:
             self.state.in_flight += 1
         try:
-            await self.app(scope, self._limited(receive), send_wrapped)
+            with contextlib.ExitStack() as state["cleanup"]:
+                await self.app(scope, self._limited(receive), send_wrapped)
         except BodyTooLarge:
             if not started:
                 await self._too_large().response()(scope, receive, send_wrapped)
         finally:
             if tracked:
                 self.state.in_flight -= 1
+                self.state.tenant_concurrency.release(tenant)
 
-    def _reject(self, path: str, method: str, headers: dict[str, str]) -> OpenAIError | None:
-        settings = self.state.settings
-        if settings.api_key and path not in OPEN_PATHS:
-            scheme, _, token = headers.get("authorization", "").partition(" ")
-            valid = scheme.lower() == "bearer" and hmac.compare_digest(
-                token.strip().encode(), settings.api_key.encode()
-            )
-            if not valid:
-                return OpenAIError(401, "Incorrect or missing API key.", code="invalid_api_key")
+    def _reject(
+        self, path: str, method: str, headers: dict[str, str], tenant: str | None
+    ) -> OpenAIError | None:
+        if not self.state.keys.open and tenant is None and path not in OPEN_PATHS:
+            return OpenAIError(401, "Incorrect or missing API key.", code="invalid_api_key")
         if path.startswith("/v1/") and method == "POST":
             if self.state.phase is Phase.DRAINING:
                 return OpenAIError(503, "the server is shutting down; retry on another replica")
             if self.state.phase is not Phase.READY:
                 return OpenAIError(503, f"the server is not ready ({self.state.phase.value})")
         length = headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > settings.max_request_bytes:
+        limit = self.state.settings.max_request_bytes
+        if length is not None and length.isdigit() and int(length) > limit:
             return self._too_large()
         return None
+
+    def _tenant_limited(self) -> OpenAIError:
+        if self.state.serving is not None:
+            self.state.serving.metrics.count_rejection("tenant_concurrency")
+        limit = self.state.tenant_concurrency.limit
+        return OpenAIError(
+            429,
+            f"too many concurrent requests for this API key's tenant (limit {limit})",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
 
     def _too_large(self) -> OpenAIError:
         limit = self.state.settings.max_request_bytes

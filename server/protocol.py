@@ -2,7 +2,8 @@
 
 Unknown fields are rejected (extra="forbid"), as OpenAI's own API does. A known field that
 we do not implement is rejected when it is set to anything but its default; null always
-counts as absent.
+counts as absent. Types are strict: `"n": 17.0` and `"stream": "yes"` are 400s, not
+silently converted, and floats must be finite.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from server.errors import OpenAIError
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):

@@ -24,8 +24,12 @@ from server.logging_setup import configure_logging
 from server.settings import AppState, Phase, ServerSettings
 
 logger = logging.getLogger("pagedserve.server")
-# Test-only fault injection: the engine step after this many raises. Off unless set.
+# Test-only fault injection, off unless set: the engine step after this many raises; every
+# step first sleeps this many seconds.
 FAIL_AFTER_STEPS_ENV = "PAGEDSERVE_TEST_FAIL_AFTER_STEPS"
+STEP_DELAY_ENV = "PAGEDSERVE_TEST_STEP_DELAY"
+# After the drain deadline, how long cut-off requests get to send their last words.
+CUTOFF_GRACE_S = 0.5
 
 
 class DrainingServer(uvicorn.Server):
@@ -74,21 +78,39 @@ class DrainingServer(uvicorn.Server):
         self._drain_task = asyncio.get_running_loop().create_task(self._drain())
 
     async def _drain(self) -> None:
+        """Waits for in-flight requests up to the deadline, then cuts off the rest: streams
+        end with an error event and [DONE], waiting requests get 503. Only then does
+        uvicorn shut down, so no request task is left for it to cancel."""
         deadline = time.monotonic() + self.state.settings.shutdown_timeout
-        while self.state.in_flight > 0 and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await self._wait_in_flight(deadline)
         if self.state.in_flight:
-            logger.warning("shutdown timeout: %d requests still in flight", self.state.in_flight)
+            logger.warning(
+                "shutdown timeout: cutting off %d requests still in flight", self.state.in_flight
+            )
+            if self.state.serving is not None:
+                self.state.serving.engine.close("the server is shutting down")
+            await self._wait_in_flight(time.monotonic() + CUTOFF_GRACE_S)
         else:
             logger.info("drained: all in-flight requests finished")
         self.should_exit = True
+
+    async def _wait_in_flight(self, deadline: float) -> None:
+        while self.state.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
 
 def run_server(settings: ServerSettings, engine_args: EngineArgs) -> int:
     log_config = configure_logging(settings.log_level, settings.log_format)
     fail_after = os.environ.get(FAIL_AFTER_STEPS_ENV)
-    hooks = EngineHooks(fail_after_steps=int(fail_after) if fail_after else None)
-    app = create_app(lambda: AsyncLLM.from_engine_args(engine_args, hooks), settings)
+    hooks = EngineHooks(
+        fail_after_steps=int(fail_after) if fail_after else None,
+        step_delay=float(os.environ.get(STEP_DELAY_ENV) or 0),
+    )
+    try:
+        app = create_app(lambda: AsyncLLM.from_engine_args(engine_args, hooks), settings)
+    except (OSError, ValueError) as exc:  # a bad --api-keys-file
+        logger.error("cannot start: %s", exc)
+        return 2
     config = uvicorn.Config(
         app,
         host=settings.host,

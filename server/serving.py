@@ -20,13 +20,17 @@ from typing import Any, TypeVar
 from engine import (
     AsyncLLM,
     CompletionOutput,
+    EngineClosedError,
     EngineDeadError,
     RequestOutput,
+    RequestStream,
     RequestValidationError,
     SamplingParams,
 )
+from server.admission import Admission, Ticket
 from server.errors import OpenAIError, error_body
 from server.metrics import ServerMetrics
+from server.tenants import tenant_cache_salt
 
 T = TypeVar("T")
 # Text longer than this is tokenized (or a chat template rendered) off the event loop, so
@@ -42,6 +46,7 @@ class ServingContext:
     engine: AsyncLLM
     model_name: str
     metrics: ServerMetrics
+    admission: Admission
     _token_text: dict[int, str] = field(default_factory=dict)
     # One thread: long inputs are tokenized one at a time, beside the event loop.
     _tokenizer_thread: ThreadPoolExecutor = field(
@@ -75,6 +80,19 @@ class ServingContext:
         if text is None:
             text = self._token_text[token_id] = str(self.tokenizer.decode([token_id]))
         return text
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request, and the queue room it holds until the engine has it."""
+
+    request_id: str
+    ticket: Ticket
+    tenant: str | None = None
+
+    def reserve_tokens(self, runs: list[PromptRun], param: str) -> None:
+        """Admission's second check, once the prompts are tokens: 400 or 503."""
+        self.ticket.reserve_tokens(sum(len(r.prompt_ids) * r.params.n for r in runs), param)
 
 
 @dataclass
@@ -128,38 +146,42 @@ def make_runs(prompts: list[list[int]], params: list[SamplingParams]) -> list[Pr
 async def stream_outputs(
     ctx: ServingContext,
     runs: list[PromptRun],
-    request_id: str,
+    caller: Caller,
     cache_salt: str | None,
     user: str | None,
 ) -> AsyncIterator[tuple[PromptRun, RequestOutput]]:
     """Runs every prompt as one DELTA engine request and yields their outputs as they come.
     Leaving early (client gone) aborts every prompt still running."""
-    streams = [
-        ctx.engine.generate(
-            run.prompt_ids,
-            run.params,
-            f"{request_id}-{run.index}-{uuid.uuid4().hex[:8]}",
-            cache_salt=cache_salt,
-            labels={"user": user} if user else None,
-        )
-        for run in runs
-    ]
+    salt = tenant_cache_salt(caller.tenant, cache_salt)
+    labels = {k: v for k, v in (("user", user), ("tenant", caller.tenant)) if v}
+    streams: list[RequestStream] = []
     try:
+        for run in runs:
+            request_id = f"{caller.request_id}-{run.index}-{uuid.uuid4().hex[:8]}"
+            streams.append(
+                ctx.engine.generate(
+                    run.prompt_ids, run.params, request_id, cache_salt=salt, labels=labels
+                )
+            )
+        caller.ticket.release()  # the engine counts them as queued now
         async for i, output in _merge(streams):
             yield runs[i], output
     except RequestValidationError as exc:
         raise OpenAIError(400, str(exc), exc.param) from None
     except EngineDeadError as exc:
         raise OpenAIError(500, str(exc), code="engine_dead") from None
+    except EngineClosedError as exc:
+        raise OpenAIError(503, str(exc), code="shutting_down") from None
+    finally:
+        for stream in streams:
+            stream.close()
 
 
-async def _merge(
-    streams: list[AsyncIterator[RequestOutput]],
-) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleaves several engine streams as their outputs arrive; closing it closes (so
     aborts) every stream."""
     if len(streams) == 1:
-        async with aclosing(streams[0]) as stream:  # type: ignore[type-var]
+        async with aclosing(streams[0]) as stream:
             async for output in stream:
                 yield 0, output
         return
@@ -167,7 +189,7 @@ async def _merge(
 
     async def pump(i: int) -> None:
         try:
-            async with aclosing(streams[i]) as stream:  # type: ignore[type-var]
+            async with aclosing(streams[i]) as stream:
                 async for output in stream:
                     queue.put_nowait((i, output))
             queue.put_nowait((i, None))
@@ -194,12 +216,12 @@ async def _merge(
 async def run_to_completion(
     ctx: ServingContext,
     runs: list[PromptRun],
-    request_id: str,
+    caller: Caller,
     cache_salt: str | None,
     user: str | None,
 ) -> None:
     """Mutates `runs`: every choice's final text, logprobs and finish reason."""
-    async for run, output in stream_outputs(ctx, runs, request_id, cache_salt, user):
+    async for run, output in stream_outputs(ctx, runs, caller, cache_salt, user):
         run.fold(output)
 
 

@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from server.serving import ServingContext
+from server.tenants import KeyRing, TenantConcurrency
 
 
 class ServerSettings(BaseModel):
@@ -21,8 +22,35 @@ class ServerSettings(BaseModel):
     served_model_name: str | None = Field(
         default=None, description="model name clients use (default: the directory name)"
     )
-    api_key: str | None = Field(
-        default=None, description="require this Bearer key on every endpoint but probes and metrics"
+    api_key: list[str] = Field(
+        default=[],
+        description="require one of these Bearer keys on every endpoint but probes and "
+        "metrics; each key is its own tenant (env: comma-separated)",
+    )
+    api_keys_file: str | None = Field(
+        default=None,
+        description="file of `KEY TENANT` lines, keys beside --api-key; tenants never share "
+        "prefix-cache blocks",
+    )
+    max_concurrent_requests_per_tenant: int | None = Field(
+        default=None,
+        gt=0,
+        description="requests in flight per tenant before 429 (without keys, all clients are "
+        "one tenant; default: no limit)",
+    )
+    tenant_metrics: bool = Field(
+        default=False,
+        description="also export per-tenant request and token counters (one series per tenant)",
+    )
+    max_num_queued_reqs: int | None = Field(
+        default=None,
+        gt=0,
+        description="queued choices (n per prompt) before 503 (default: 8 x --max-num-seqs)",
+    )
+    max_num_queued_tokens: int | None = Field(
+        default=None,
+        gt=0,
+        description="queued prompt tokens before 503 (default: 64 x --max-num-batched-tokens)",
     )
     shutdown_timeout: float = Field(
         default=30.0, ge=0, description="seconds in-flight requests get after SIGTERM"
@@ -57,6 +85,9 @@ class AppState:
 
     def __init__(self, settings: ServerSettings) -> None:
         self.settings = settings
+        # Raises ValueError or OSError for a bad --api-keys-file.
+        self.keys = KeyRing.load(settings.api_key, settings.api_keys_file)
+        self.tenant_concurrency = TenantConcurrency(settings.max_concurrent_requests_per_tenant)
         self.phase = Phase.LOADING
         # Set once the model is loaded: the engine and what the endpoints need beside it.
         self.serving: ServingContext | None = None

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import AsyncLLM, EngineArgs
+from engine import AsyncLLM, EngineArgs, EngineHooks
 from tests.server.live import LiveServer
 from tests.tiny_models import make_tiny_model
 
@@ -17,12 +17,12 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model("llama", tmp_path_factory.mktemp("tiny-server"))
 
 
-def tiny_engine(path: Path, **kwargs: object) -> AsyncLLM:
+def tiny_engine(path: Path, hooks: EngineHooks | None = None, **kwargs: object) -> AsyncLLM:
     options: dict[str, object] = dict(
         model=str(path), dtype="float32", num_kv_blocks=256, max_model_len=256
     )
     options.update(kwargs)
-    return AsyncLLM.from_engine_args(EngineArgs(**options))  # type: ignore[arg-type]
+    return AsyncLLM.from_engine_args(EngineArgs(**options), hooks)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine import AsyncLLM
 from server.app import create_app
@@ -56,6 +57,34 @@ class LiveServer:
     @property
     def state(self) -> AppState:
         return self.app.state.gateway
+
+    def engine_is_idle(self) -> bool:
+        """Nothing running or waiting, no block held, no request object left anywhere."""
+        scheduler = self.engine.core.scheduler
+        held = sum(len(b) for b in scheduler.kv_cache.req_to_blocks.values())
+        return (
+            not scheduler.running
+            and not scheduler.waiting
+            and held == 0
+            and not self.engine.has_pending_work
+            and self.state.in_flight == 0
+        )
+
+    def wait_idle(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not self.engine_is_idle() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.engine_is_idle()
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The value of one exported sample (the model_name label is implied)."""
+        for family in text_string_to_metric_families(httpx.get(f"{self.url}/metrics").text):
+            for sample in family.samples:
+                if sample.name == name and all(
+                    sample.labels.get(k) == v for k, v in labels.items()
+                ):
+                    return float(sample.value)
+        raise AssertionError(f"{name} {labels} is not exported")
 
     def __enter__(self) -> LiveServer:
         self.thread.start()

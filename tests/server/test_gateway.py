@@ -67,19 +67,6 @@ def test_sixteen_concurrent_streams(default_server: LiveServer, default_model_di
     assert asyncio.run(run()) == expected
 
 
-def engine_is_idle(server: LiveServer) -> bool:
-    scheduler = server.engine.core.scheduler
-    held = sum(len(b) for b in scheduler.kv_cache.req_to_blocks.values())
-    return not scheduler.running and not scheduler.waiting and held == 0
-
-
-def metric_value(server: LiveServer, name: str) -> float:
-    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
-        if line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not exported")
-
-
 def test_disconnects_free_their_blocks(tiny_model_dir: Path) -> None:
     with LiveServer(
         tiny_engine(tiny_model_dir, max_num_seqs=16), served_model_name="tiny"
@@ -97,13 +84,10 @@ def test_disconnects_free_their_blocks(tiny_model_dir: Path) -> None:
                 await asyncio.gather(*(hang_up_after_first_chunk(client) for _ in range(10)))
 
         asyncio.run(run())
-        deadline = time.monotonic() + 2.0
-        while not engine_is_idle(server) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert engine_is_idle(server), "aborted requests still hold the engine"
+        assert server.wait_idle(2.0), "aborted requests still hold the engine"
         server.engine.core.scheduler.kv_cache.check_invariants()
-        assert metric_value(server, "vllm:num_requests_running") == 0
-        assert metric_value(server, "vllm:kv_cache_usage_perc") == 0
+        assert server.metric("vllm:num_requests_running") == 0
+        assert server.metric("vllm:kv_cache_usage_perc") == 0
 
 
 USER = [{"role": "user", "content": "t10"}]
@@ -176,7 +160,7 @@ def test_unknown_path_and_oversized_body(tiny_model_dir: Path) -> None:
 
 def test_api_key(tiny_model_dir: Path) -> None:
     with LiveServer(
-        tiny_engine(tiny_model_dir), api_key="s3cret", served_model_name="tiny"
+        tiny_engine(tiny_model_dir), api_key=["s3cret"], served_model_name="tiny"
     ) as server:
         body = {"prompt": "t10", "max_tokens": 1}
         assert post(server, "/v1/completions", body).status_code == 401
