@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +59,7 @@ class AsyncLLM:
         self._collectors: dict[str, OutputCollector] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._task: asyncio.Task[None] | None = None
+        self._step: Future[StepResult] | None = None
         self._listener: StatsListener | None = None
         self._abort_stats = IterationStats()
         self.error: BaseException | None = None
@@ -86,14 +87,17 @@ class AsyncLLM:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
 
     async def stop(self) -> None:
-        """Cancels the loop; waits for a step in flight without blocking the event loop."""
+        """Cancels the loop; waits for a step in flight without blocking the event loop
+        (and without a thread of its own, so a caller may time out on a hung step)."""
         if self._task is not None:
             self._task.cancel()
             try:
                 await self._task
             except asyncio.CancelledError:
                 logger.debug("engine loop cancelled")
-        await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._step is not None:
+            await asyncio.gather(asyncio.wrap_future(self._step), return_exceptions=True)
 
     def close(self, reason: str) -> None:
         """Cuts off every open request and refuses new ones: their streams, and later
@@ -178,7 +182,6 @@ class AsyncLLM:
     # ---- the loop ------------------------------------------------------------------
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         try:
             while True:
                 if not self.core.has_unfinished_requests():
@@ -190,7 +193,8 @@ class AsyncLLM:
                     # Idle after aborts: publish the now-empty gauges, as no step will.
                     self._publish(self.core.stats(), IterationStats())
                     continue
-                result = await loop.run_in_executor(self._executor, self.core.step)
+                self._step = self._executor.submit(self.core.step)
+                result = await asyncio.wrap_future(self._step)
                 self.last_progress = time.monotonic()
                 self._handle(result)
         except asyncio.CancelledError:

@@ -48,6 +48,8 @@ from server.serving import Caller, ServingContext, sse_events
 from server.settings import AppState, Phase, ServerSettings
 
 logger = logging.getLogger("pagedserve.server")
+# How long shutdown waits for the engine's step in flight.
+ENGINE_STOP_TIMEOUT_S = 0.5
 Body = TypeVar("Body", bound=BaseModel)
 
 
@@ -101,7 +103,10 @@ def create_app(engine: AsyncLLM | Callable[[], AsyncLLM], settings: ServerSettin
         if loading is not None:
             loading.cancel()
         if state.serving is not None:
-            await state.serving.engine.stop()
+            try:  # a step that hangs (a stalled device) must not hold up the exit
+                await asyncio.wait_for(state.serving.engine.stop(), ENGINE_STOP_TIMEOUT_S)
+            except TimeoutError:
+                logger.warning("the engine's step did not finish; exiting without it")
             state.serving.close()
 
     app = FastAPI(title="pagedserve", version=package_version(), lifespan=lifespan)

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import re
 import sys
 import typing
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 from pydantic import ValidationError
 
@@ -146,7 +147,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ServerSettings, EngineA
     return ServerSettings(**values), engine_args
 
 
-def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> NoReturn:
     from server.runner import run_server
 
     try:
@@ -154,7 +155,14 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except ValidationError as exc:
         error = exc.errors()[0]
         parser.error(f"--{str(error['loc'][0]).replace('_', '-')}: {error['msg']}")
-    return run_server(settings, engine_args)
+    code = run_server(settings, engine_args)
+    # The server has stopped and said so. Skip the interpreter's teardown of torch and
+    # transformers, which takes seconds on a busy machine and would eat into the pod's
+    # termination grace period; only the logs need flushing.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _prepare_default_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -1,7 +1,8 @@
 """Runs the gateway under uvicorn with Kubernetes-style draining on SIGTERM.
 
 First SIGTERM (or SIGINT): readiness turns 503, new requests get 503, in-flight requests
-run for up to --shutdown-timeout, then the process exits 0. A second signal exits at once.
+run for up to --shutdown-timeout; whatever still runs then is cut off (an SSE error event,
+or 503), and the process exits 0. A second signal cuts off at once.
 """
 
 from __future__ import annotations
@@ -66,8 +67,15 @@ class DrainingServer(uvicorn.Server):
                 loop.remove_signal_handler(sig)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self._drain_task is not None or self.state.phase is not Phase.READY:
-            logger.warning("second shutdown signal or not serving: exiting now")
+        loop = asyncio.get_running_loop()
+        if self.state.phase is Phase.DRAINING:
+            logger.warning("second shutdown signal: cutting off in-flight requests now")
+            if self._drain_task is not None:
+                self._drain_task.cancel()
+            self._drain_task = loop.create_task(self._cut_off())
+            return
+        if self.state.phase is not Phase.READY:
+            logger.warning("shutdown signal while not serving: exiting now")
             self.force_exit = True
             self.should_exit = True
             return
@@ -75,23 +83,26 @@ class DrainingServer(uvicorn.Server):
             "shutdown signal: draining for up to %.0fs", self.state.settings.shutdown_timeout
         )
         self.state.phase = Phase.DRAINING
-        self._drain_task = asyncio.get_running_loop().create_task(self._drain())
+        self._drain_task = loop.create_task(self._drain())
 
     async def _drain(self) -> None:
-        """Waits for in-flight requests up to the deadline, then cuts off the rest: streams
-        end with an error event and [DONE], waiting requests get 503. Only then does
-        uvicorn shut down, so no request task is left for it to cancel."""
-        deadline = time.monotonic() + self.state.settings.shutdown_timeout
-        await self._wait_in_flight(deadline)
+        """Waits for in-flight requests up to the deadline, then cuts off the rest."""
+        await self._wait_in_flight(time.monotonic() + self.state.settings.shutdown_timeout)
         if self.state.in_flight:
             logger.warning(
                 "shutdown timeout: cutting off %d requests still in flight", self.state.in_flight
             )
-            if self.state.serving is not None:
-                self.state.serving.engine.close("the server is shutting down")
-            await self._wait_in_flight(time.monotonic() + CUTOFF_GRACE_S)
+            await self._cut_off()
         else:
             logger.info("drained: all in-flight requests finished")
+            self.should_exit = True
+
+    async def _cut_off(self) -> None:
+        """Ends every request: streams with an error event and [DONE], waiting ones with
+        503. Only then does uvicorn shut down, so no request task is left to cancel."""
+        if self.state.serving is not None:
+            self.state.serving.engine.close("the server is shutting down")
+        await self._wait_in_flight(time.monotonic() + CUTOFF_GRACE_S)
         self.should_exit = True
 
     async def _wait_in_flight(self, deadline: float) -> None:

@@ -1,4 +1,5 @@
-"""Process lifecycle under the real CLI: SIGTERM draining and engine failure handling."""
+"""Process lifecycle under the real CLI: SIGTERM draining, the drain deadline, the second
+signal, stall detection and engine failure handling."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from server.runner import STEP_DELAY_ENV
 from tests.server.live import ServerProcess
 
 TINY_ARGS = ["--dtype", "float32", "--num-kv-blocks", "256", "--max-model-len", "256"]
@@ -58,6 +60,7 @@ def test_sigterm_drains_in_flight_streams(default_model_dir: Path, tmp_path: Pat
             t.start()
         for _, first in streams:
             assert first.wait(60), "a stream never started"
+        at_signal = [len(events) for events, _ in streams]
         server.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 5
         while httpx.get(f"{server.url}/ready").status_code != 503:
@@ -70,13 +73,117 @@ def test_sigterm_drains_in_flight_streams(default_model_dir: Path, tmp_path: Pat
         assert "shutting down" in rejected.json()["error"]["message"]
         for t in threads:
             t.join(timeout=120)
-        for events, _ in streams:
+        for (events, _), seen in zip(streams, at_signal, strict=True):
             assert events[-1] == {"done": True}
             finals = [e for e in events[:-1] if e["choices"][0]["finish_reason"]]
             assert [f["choices"][0]["finish_reason"] for f in finals] == ["length"]
+            # The stream was still running when the signal came: tokens followed it.
+            assert finals[0] not in events[:seen] and len(events) - 1 > seen
         assert server.proc.wait(timeout=60) == 0
     log = (tmp_path / "server.log").read_text()
     assert '"message": "drained: all in-flight requests finished"' in log
+
+
+LONG = {"prompt": "t10 t11", "max_tokens": 200, "ignore_eos": True}
+
+
+def start_stream(url: str, events: list[dict]) -> threading.Thread:
+    first = threading.Event()
+    thread = threading.Thread(target=stream_completion, args=(url, LONG, events, first))
+    thread.start()
+    assert first.wait(60), "the stream never started"
+    return thread
+
+
+def post_in_thread(
+    url: str, results: list, timeout: float = 60, body: dict = LONG
+) -> threading.Thread:
+    def post() -> None:
+        try:
+            results.append(httpx.post(f"{url}/v1/completions", json=body, timeout=timeout))
+        except httpx.TimeoutException as exc:
+            results.append(exc)
+
+    thread = threading.Thread(target=post)
+    thread.start()
+    return thread
+
+
+def slow_server(tiny_model_dir: Path, log: Path, *args: str) -> ServerProcess:
+    """The tiny model with 50 ms steps: a 200-token request runs for 10 s."""
+    return ServerProcess(
+        [str(tiny_model_dir), *TINY_ARGS, *args], env={STEP_DELAY_ENV: "0.05"}, log=log
+    )
+
+
+def test_shutdown_timeout_cuts_off_long_and_abandoned_work(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    log = tmp_path / "server.log"
+    with slow_server(tiny_model_dir, log, "--shutdown-timeout", "1") as server:
+        assert server.proc is not None
+        streams: list[list[dict]] = [[], []]
+        threads = [start_stream(server.url, events) for events in streams]
+        waiting: list = []
+        abandoned: list = []
+        threads.append(post_in_thread(server.url, waiting))
+        threads.append(post_in_thread(server.url, abandoned, timeout=0.5))
+        time.sleep(1.0)  # the abandoned client has given up
+        signalled = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=30) == 0
+        assert time.monotonic() - signalled < 1 + 1, "exit took longer than the timeout + 1 s"
+        for thread in threads:
+            thread.join(timeout=10)
+    for events in streams:
+        assert events[-1] == {"done": True}
+        error = events[-2]["error"]
+        assert (error["type"], error["code"]) == ("service_unavailable_error", "shutting_down")
+        assert not any(e.get("choices", [{}])[0].get("finish_reason") for e in events[:-2])
+    (response,) = waiting
+    assert response.status_code == 503 and response.json()["error"]["code"] == "shutting_down"
+    assert isinstance(abandoned[0], httpx.TimeoutException)
+    text = log.read_text()
+    assert "cutting off 3 requests" in text
+    assert "Traceback" not in text and "CancelledError" not in text
+
+
+def test_a_second_signal_exits_at_once(tiny_model_dir: Path, tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    with slow_server(tiny_model_dir, log, "--shutdown-timeout", "60") as server:
+        assert server.proc is not None
+        events: list[dict] = []
+        thread = start_stream(server.url, events)
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert server.proc.poll() is None, "the first signal must drain, not exit"
+        signalled = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=30) == 0
+        assert time.monotonic() - signalled < 2
+        thread.join(timeout=10)
+    assert events[-1] == {"done": True} and events[-2]["error"]["code"] == "shutting_down"
+    assert "Traceback" not in log.read_text()
+
+
+def test_stall_timeout_fails_readiness_while_a_step_hangs(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    args = [str(tiny_model_dir), *TINY_ARGS, "--stall-timeout", "0.5"]
+    env = {STEP_DELAY_ENV: "1.5"}  # each step takes three stall timeouts
+    with ServerProcess(args, env=env, log=tmp_path / "server.log") as server:
+        assert httpx.get(f"{server.url}/ready").status_code == 200  # idle is not stalled
+        results: list = []
+        thread = post_in_thread(server.url, results, body={"prompt": "t10", "max_tokens": 2})
+        deadline = time.monotonic() + 10
+        while (ready := httpx.get(f"{server.url}/ready")).status_code == 200:
+            assert time.monotonic() < deadline, "/ready never noticed the stall"
+            time.sleep(0.1)
+        assert ready.status_code == 503 and "stalled" in ready.json()["reason"]
+        assert httpx.get(f"{server.url}/health").status_code == 200  # stalled is not dead
+        thread.join(timeout=60)
+        assert results[0].status_code == 200
+        assert httpx.get(f"{server.url}/ready").status_code == 200
 
 
 def test_engine_failure_fails_requests_and_probes(tiny_model_dir: Path, tmp_path: Path) -> None:
