@@ -79,3 +79,41 @@ def make_tiny_model(kind: str, path: Path, seed: int = 0) -> Path:
     model.save_pretrained(path)
     save_word_tokenizer(path)
     return path
+
+
+def make_cycle_model(path: Path, text: str) -> Path:
+    """A byte-level model whose greedy output repeats `text` (UTF-8) forever.
+
+    After a token that is one of text's bytes it emits the byte that follows it in `text`,
+    cyclically, so each byte may occur in `text` once. Its layers are zeroed: the hidden
+    state is the current token's embedding (a random unit vector), and the LM head row of
+    each byte's successor is that embedding. Tokens are bytes 0-255 (byte fallback, as
+    Llama's tokenizer has), then <unk>, <s>, </s>.
+    """
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    data = text.encode()
+    assert len(set(data)) == len(data), "every byte of `text` must be distinct"
+    vocab = {f"<0x{b:02X}>": b for b in range(256)} | {"<unk>": 256, "<s>": 257, "</s>": 258}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(path)
+
+    config = make_config("llama")
+    config.vocab_size, config.bos_token_id, config.eos_token_id = 259, 257, 258
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embed = torch.nn.functional.normalize(torch.randn(259, config.hidden_size), dim=-1)
+        model.model.embed_tokens.weight.copy_(embed)
+        model.lm_head.weight.zero_()
+        for i, byte in enumerate(data):
+            model.lm_head.weight[data[(i + 1) % len(data)]] = embed[byte]
+    model.save_pretrained(path)
+    return path

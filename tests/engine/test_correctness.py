@@ -1,13 +1,15 @@
 """Greedy output equals transformers token for token, in float32, in every engine mode.
 
 (a) each request alone, (b) 8 requests of different lengths together, (c) chunked
-prefill, (d) shared prefixes served from the prefix cache, (e) preemption. The block
+prefill, (d) shared prefixes served from the prefix cache, also across the choices of an
+n > 1 request, (e) preemption. The block
 pool invariants are checked after every step (check_invariants=True).
 """
 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -100,6 +102,23 @@ def test_prefix_cache_hits(tiny) -> None:
     assert all(o.num_cached_tokens >= 48 for o in outputs)
     # Same-batch sharing: all four at once, from a cold cache.
     assert engine_tokens(tiny_llm(path), shared) == reference
+
+
+def test_n_greedy_choices_share_the_prefix(tiny) -> None:
+    """n=3 greedy: every choice equals transformers; the 2nd and 3rd reuse the 1st's full
+    prompt blocks (admitted in the same step), and a later prompt with the same prefix
+    reports them as cached."""
+    path, _, shared, _, reference = tiny
+    llm = tiny_llm(path)
+    counters = llm.core.scheduler.kv_cache.counters
+    params = replace(GREEDY, n=3)
+    (first,) = llm.generate([shared[0]], params)
+    assert [c.token_ids for c in first.outputs] == [reference[0]] * 3
+    prefix_hit = 3 * 16  # the shared prefix holds three full blocks
+    assert counters.hits == 2 * prefix_hit and first.num_cached_tokens == 0
+    (second,) = llm.generate([shared[1]], params)
+    assert [c.token_ids for c in second.outputs] == [reference[1]] * 3
+    assert counters.hits == 5 * prefix_hit and second.num_cached_tokens == prefix_hit
 
 
 def test_preemption(tiny) -> None:

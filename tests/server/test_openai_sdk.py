@@ -38,6 +38,13 @@ def test_models_endpoint(server: LiveServer) -> None:
     assert len(models.data) == 1 and models.data[0].object == "model"
 
 
+def a_word_of(text: str) -> str:
+    """A word from the second half of `text`: a stop string the model really emits."""
+    words = text[len(text) // 2 :].split()
+    assert words, f"no word to stop at in {text!r}"
+    return words[len(words) // 2]
+
+
 def test_completion_n2_stop_logprobs_seed(server: LiveServer) -> None:
     c = client(server)
     kwargs: dict[str, Any] = dict(
@@ -48,15 +55,22 @@ def test_completion_n2_stop_logprobs_seed(server: LiveServer) -> None:
         temperature=0.9,
         seed=11,
         logprobs=3,
-        stop=["t99", "\n\n"],
     )
-    first = c.completions.create(**kwargs)
-    shapes.check_completion(first.model_dump(exclude_unset=True), n_choices=2, logprobs=True)
-    for choice in first.choices:
-        assert "t99" not in choice.text and "\n\n" not in choice.text
+    free = c.completions.create(**kwargs)
+    shapes.check_completion(free.model_dump(exclude_unset=True), n_choices=2, logprobs=True)
+    for choice in free.choices:
         assert all(len(top) <= 3 for top in choice.logprobs.top_logprobs)
-    again = c.completions.create(**kwargs)
-    assert [ch.text for ch in again.choices] == [ch.text for ch in first.choices]
+    stop = a_word_of(free.choices[0].text)
+    stopped = c.completions.create(**kwargs, stop=[stop])
+    shapes.check_completion(stopped.model_dump(exclude_unset=True), n_choices=2, logprobs=True)
+    # Seeded: each choice samples what it sampled before, and ends where the stop begins.
+    for before, after in zip(free.choices, stopped.choices, strict=True):
+        if stop in before.text:
+            assert after.text == before.text[: before.text.index(stop)]
+            assert (after.finish_reason, after.stop_reason) == ("stop", stop)
+        else:
+            assert (after.text, after.finish_reason) == (before.text, before.finish_reason)
+    assert stopped.choices[0].finish_reason == "stop"
 
 
 def test_completion_stream_with_usage(server: LiveServer) -> None:
@@ -141,6 +155,13 @@ def test_cached_tokens_reported(tiny_server: LiveServer) -> None:
     c.completions.create(model="tiny", prompt=prompt, max_tokens=2)
     second = c.completions.create(model="tiny", prompt=prompt, max_tokens=2)
     assert second.usage.prompt_tokens_details.cached_tokens >= 64
+    # n > 1: usage counts the prompt once, and so its cached tokens.
+    fresh = " ".join(f"t{i % 200 + 30}" for i in range(80))
+    first_n = c.completions.create(model="tiny", prompt=fresh, max_tokens=2, n=3)
+    assert first_n.usage.prompt_tokens == 80
+    assert first_n.usage.prompt_tokens_details.cached_tokens == 0
+    again_n = c.completions.create(model="tiny", prompt=fresh, max_tokens=2, n=3)
+    assert again_n.usage.prompt_tokens_details.cached_tokens == 64
 
 
 def test_echo_with_logprobs(tiny_server: LiveServer) -> None:

@@ -188,6 +188,40 @@ def test_prompt_logprobs_match_transformers(tiny_llm: tuple[LLM, Path]) -> None:
         assert lp.logprob == pytest.approx(reference[j, prompt[j + 1]].item(), abs=1e-4)
 
 
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        dict(max_num_batched_tokens=16, num_kv_blocks=256, max_model_len=256),
+        dict(max_num_batched_tokens=16, num_kv_blocks=12, max_model_len=128),
+    ],
+    ids=["chunked", "chunked-and-preempted"],
+)
+def test_prompt_logprobs_across_chunks_and_preemption(
+    tiny_llm: tuple[LLM, Path], engine_args: dict
+) -> None:
+    """Every prompt position once, equal to transformers, when the prompt is prefilled in
+    16-token chunks and when a request is preempted and recomputed."""
+    from transformers import AutoModelForCausalLM
+
+    _, path = tiny_llm
+    prompts = [[3 + (i * 31 + j * 17) % 250 for j in range(40 + 9 * i)] for i in range(6)]
+    params = SamplingParams(temperature=0.0, prompt_logprobs=2, max_tokens=8, ignore_eos=True)
+    llm = LLM(str(path), hooks=EngineHooks(check_invariants=True), dtype="float32", **engine_args)
+    results = llm.generate(prompts, params)
+    if engine_args["num_kv_blocks"] < 20:
+        assert llm.core.scheduler.total_preemptions > 0
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    for prompt, result in zip(prompts, results, strict=True):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt])).logits[0].float()
+        reference = torch.log_softmax(logits, dim=-1)
+        assert result.prompt_logprobs is not None
+        assert [lp.token_id for lp in result.prompt_logprobs] == prompt[1:]
+        for j, lp in enumerate(result.prompt_logprobs):
+            assert lp.logprob == pytest.approx(reference[j, prompt[j + 1]].item(), abs=1e-4)
+            assert [t for t, _ in lp.top] == reference[j].topk(2).indices.tolist()
+
+
 def test_finish_reasons(tiny_llm: tuple[LLM, Path]) -> None:
     llm, _ = tiny_llm
     eos = llm.config.model.arch.eos_token_ids[0]
