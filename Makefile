@@ -5,8 +5,10 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PORT ?= 8000
 PYTEST_ARGS ?=
+# `make soak`: seconds of random load (`make test` runs a one-minute soak).
+SOAK_SECONDS ?= 600
 
-.PHONY: install serve test lint format clean promtool
+.PHONY: install serve test soak lint format clean promtool
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -38,6 +40,9 @@ promtool:
 
 test: install lint promtool
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+soak: install
+	$(PY) -m tests.server.soak --duration $(SOAK_SECONDS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -25,10 +25,11 @@ from server.logging_setup import configure_logging
 from server.settings import AppState, Phase, ServerSettings
 
 logger = logging.getLogger("pagedserve.server")
-# Test-only fault injection, off unless set: the engine step after this many raises; every
-# step first sleeps this many seconds.
+# Test-only hooks, off unless set: the engine step after this many raises; every step
+# first sleeps this many seconds; the block pool's invariants are checked after every step.
 FAIL_AFTER_STEPS_ENV = "PAGEDSERVE_TEST_FAIL_AFTER_STEPS"
 STEP_DELAY_ENV = "PAGEDSERVE_TEST_STEP_DELAY"
+CHECK_INVARIANTS_ENV = "PAGEDSERVE_TEST_CHECK_INVARIANTS"
 # After the drain deadline, how long cut-off requests get to send their last words.
 CUTOFF_GRACE_S = 0.5
 
@@ -114,6 +115,7 @@ def run_server(settings: ServerSettings, engine_args: EngineArgs) -> int:
     log_config = configure_logging(settings.log_level, settings.log_format)
     fail_after = os.environ.get(FAIL_AFTER_STEPS_ENV)
     hooks = EngineHooks(
+        check_invariants=os.environ.get(CHECK_INVARIANTS_ENV) == "1",
         fail_after_steps=int(fail_after) if fail_after else None,
         step_delay=float(os.environ.get(STEP_DELAY_ENV) or 0),
     )
