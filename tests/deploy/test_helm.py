@@ -44,6 +44,7 @@ EVERYTHING = {
     "gpu": {"count": 1},
     "model": {"source": "pvc", "path": "Llama-3.1-8B-Instruct"},
     "apiKey": {"value": "test-key"},
+    "apiKeys": {"existingSecret": "tenant-keys"},
     "serviceMonitor": {"enabled": True},
     "prometheusRule": {"enabled": True},
     "grafanaDashboard": {"enabled": True},
@@ -209,6 +210,10 @@ BAD_VALUES = {
     "negative-gpu-count": {"gpu": {"count": -1}},
     "port-out-of-range": {"server": {"port": 70000}},
     "no-grace-margin": {"shutdown": {"graceMarginSeconds": 0}},
+    "api-keys-unknown-field": {"apiKeys": {"existingSecret": "k", "file": "keys"}},
+    "api-keys-relative-mount": {"apiKeys": {"existingSecret": "k", "mountPath": "keys"}},
+    "queue-limit-zero": {"server": {"maxNumQueuedReqs": 0}},
+    "tenant-limit-as-word": {"server": {"maxConcurrentRequestsPerTenant": "few"}},
 }
 
 
@@ -318,6 +323,10 @@ SERVER_FLAGS = {
     "numThreads": ("PAGEDSERVE_NUM_THREADS", 4, "4"),
     "stallTimeout": ("PAGEDSERVE_STALL_TIMEOUT", 120, "120"),
     "maxRequestBytes": ("PAGEDSERVE_MAX_REQUEST_BYTES", "32MiB", "32MiB"),
+    "maxNumQueuedReqs": ("PAGEDSERVE_MAX_NUM_QUEUED_REQS", 512, "512"),
+    "maxNumQueuedTokens": ("PAGEDSERVE_MAX_NUM_QUEUED_TOKENS", 262144, "262144"),
+    "maxConcurrentRequestsPerTenant": ("PAGEDSERVE_MAX_CONCURRENT_REQUESTS_PER_TENANT", 8, "8"),
+    "tenantMetrics": ("PAGEDSERVE_TENANT_METRICS", True, "true"),
     "logRequests": ("PAGEDSERVE_LOG_REQUESTS", False, "false"),
     "logLevel": ("PAGEDSERVE_LOG_LEVEL", "debug", "debug"),
     "logFormat": ("PAGEDSERVE_LOG_FORMAT", "text", "text"),
@@ -371,10 +380,45 @@ def test_api_key_from_an_existing_secret() -> None:
     assert ref == {"name": "team-keys", "key": "pagedserve"}
 
 
+def test_api_keys_file_from_an_existing_secret() -> None:
+    values = {"apiKeys": {"existingSecret": "tenant-keys"}, "apiKey": {"existingSecret": "k"}}
+    manifests = render(values)
+    pod = the(manifests, "Deployment")["spec"]["template"]["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "api-keys")
+    assert volume["secret"] == {
+        "secretName": "tenant-keys",
+        "items": [{"key": "api-keys", "path": "api-keys"}],
+    }
+    container = server_container(manifests)
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "api-keys")
+    assert mount == {"name": "api-keys", "mountPath": "/etc/pagedserve/api-keys", "readOnly": True}
+    env = env_of(container)
+    assert env["PAGEDSERVE_API_KEYS_FILE"] == "/etc/pagedserve/api-keys/api-keys"
+    assert env["PAGEDSERVE_API_KEY"]["secretKeyRef"]["name"] == "k"  # both kinds of key
+
+
+def test_the_server_reads_the_keys_file_the_chart_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from server.cli import build_parser, configs_from_args
+    from server.tenants import KeyRing
+
+    values = {"apiKeys": {"existingSecret": "s", "secretKey": "keys.txt", "mountPath": "/k/"}}
+    env = env_of(server_container(render(values)))
+    assert env["PAGEDSERVE_API_KEYS_FILE"] == "/k/keys.txt"
+    keys = tmp_path / "keys.txt"
+    keys.write_text("secret-1 team-a\n")
+    monkeypatch.setenv("PAGEDSERVE_API_KEYS_FILE", str(keys))  # the chart's variable
+    settings, _ = configs_from_args(build_parser().parse_args(["serve"]))
+    ring = KeyRing.load(settings.api_key, settings.api_keys_file)
+    assert ring.tenant("Bearer secret-1") == "team-a"
+
+
 def test_no_api_key_by_default() -> None:
     manifests = render()
     assert "Secret" not in kinds(manifests)
-    assert "PAGEDSERVE_API_KEY" not in env_of(server_container(manifests))
+    env = env_of(server_container(manifests))
+    assert "PAGEDSERVE_API_KEY" not in env and "PAGEDSERVE_API_KEYS_FILE" not in env
 
 
 def model_volume(manifests: list[dict[str, Any]]) -> dict[str, Any] | None:
