@@ -29,6 +29,24 @@ class BodyTooLarge(Exception):
     pass
 
 
+class _Reply:
+    """The ASGI `send` of one exchange: adds X-Request-Id, counts error statuses."""
+
+    def __init__(self, send: Send, request_id: str, state: AppState) -> None:
+        self._send = send
+        self._request_id = request_id.encode()
+        self._state = state
+        self.started = False
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+            message["headers"] = [*message.get("headers", []), (b"x-request-id", self._request_id)]
+            if message["status"] >= 400 and self._state.serving is not None:
+                self._state.serving.metrics.count_error(message["status"])
+        await self._send(message)
+
+
 class GatewayMiddleware:
     def __init__(self, app: ASGIApp, state: AppState) -> None:
         self.app = app
@@ -43,42 +61,32 @@ class GatewayMiddleware:
         if not _REQUEST_ID.fullmatch(request_id):
             request_id = uuid.uuid4().hex
         tenant = self.state.keys.tenant(headers.get("authorization", ""))
-        state = scope.setdefault("state", {})
-        state.update(request_id=request_id, tenant=tenant)
-        started = False
-
-        async def send_wrapped(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-                message["headers"] = [
-                    *message.get("headers", []),
-                    (b"x-request-id", request_id.encode()),
-                ]
-                if message["status"] >= 400 and self.state.serving is not None:
-                    self.state.serving.metrics.count_error(message["status"])
-            await send(message)
-
-        rejection = self._reject(scope["path"], scope["method"], headers, tenant)
-        if rejection is not None:
-            await rejection.response()(scope, receive, send_wrapped)
-            return
+        scope.setdefault("state", {}).update(request_id=request_id, tenant=tenant)
+        reply = _Reply(send, request_id, self.state)
         tracked = scope["path"].startswith("/v1/") and scope["method"] == "POST"
-        if tracked and not self.state.tenant_concurrency.try_acquire(tenant):
-            await self._tenant_limited().response()(scope, receive, send_wrapped)
+        rejection = self._reject(scope["path"], scope["method"], headers, tenant)
+        if rejection is None and tracked and not self.state.tenant_concurrency.try_acquire(tenant):
+            rejection = self._tenant_limited()
+        if rejection is not None:
+            await rejection.response()(scope, receive, reply)
             return
-        if tracked:
-            self.state.in_flight += 1
+        if not tracked:
+            await self._run(scope, receive, reply)
+            return
+        self.state.in_flight += 1
         try:
-            with contextlib.ExitStack() as state["cleanup"]:
-                await self.app(scope, self._limited(receive), send_wrapped)
-        except BodyTooLarge:
-            if not started:
-                await self._too_large().response()(scope, receive, send_wrapped)
+            await self._run(scope, receive, reply)
         finally:
-            if tracked:
-                self.state.in_flight -= 1
-                self.state.tenant_concurrency.release(tenant)
+            self.state.in_flight -= 1
+            self.state.tenant_concurrency.release(tenant)
+
+    async def _run(self, scope: Scope, receive: Receive, reply: _Reply) -> None:
+        try:
+            with contextlib.ExitStack() as scope["state"]["cleanup"]:
+                await self.app(scope, self._limited(receive), reply)
+        except BodyTooLarge:
+            if not reply.started:
+                await self._too_large().response()(scope, receive, reply)
 
     def _reject(
         self, path: str, method: str, headers: dict[str, str], tenant: str | None
