@@ -46,6 +46,7 @@ EXPOSED_COUNTERS = frozenset(
         "vllm:generation_tokens_total",
         "vllm:request_success_total",
         "pagedserve:request_errors_total",
+        "pagedserve:requests_rejected_total",
     }
 )
 EXPOSED_HISTOGRAMS = frozenset(
