@@ -105,7 +105,7 @@ def create_app(engine: AsyncLLM | Callable[[], AsyncLLM], settings: ServerSettin
         if state.serving is not None:
             try:  # a step that hangs (a stalled device) must not hold up the exit
                 await asyncio.wait_for(state.serving.engine.stop(), ENGINE_STOP_TIMEOUT_S)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # TimeoutError itself only from Python 3.11
                 logger.warning("the engine's step did not finish; exiting without it")
             state.serving.close()
 
