@@ -12,6 +12,18 @@ from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineArgs, EngineHooks
 from engine.errors import EngineDeadError, RequestValidationError
+from engine.introspection import (
+    BlockCounts,
+    BlockState,
+    EngineDelta,
+    EngineGauges,
+    EngineRates,
+    EngineSnapshot,
+    EngineTotals,
+    EngineView,
+    FinishedView,
+    RequestView,
+)
 from engine.models.default_model import DEFAULT_MODEL_NAME, prepare_default_model
 from engine.outputs import (
     CompletionOutput,
@@ -31,16 +43,26 @@ __all__ = [
     "DEFAULT_MODEL_NAME",
     "LLM",
     "AsyncLLM",
+    "BlockCounts",
+    "BlockState",
     "CompletionOutput",
     "EngineArgs",
     "EngineDeadError",
+    "EngineDelta",
+    "EngineGauges",
     "EngineHooks",
+    "EngineRates",
+    "EngineSnapshot",
+    "EngineTotals",
+    "EngineView",
     "FinishedRequestStats",
+    "FinishedView",
     "IterationStats",
     "Logprobs",
     "RequestOutput",
     "RequestOutputKind",
     "RequestValidationError",
+    "RequestView",
     "SamplingParams",
     "SchedulerStats",
     "StatsListener",

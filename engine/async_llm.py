@@ -21,6 +21,7 @@ from typing import Any
 from engine.config import EngineArgs, EngineConfig, EngineHooks, load_tokenizer
 from engine.core import EngineCore
 from engine.errors import EngineDeadError, RequestValidationError
+from engine.introspection import EngineMonitor, EngineView
 from engine.output_processor import OutputProcessor
 from engine.outputs import IterationStats, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -87,6 +88,11 @@ class AsyncLLM:
         self._task: asyncio.Task[None] | None = None
         self._listener: StatsListener | None = None
         self._abort_stats = IterationStats()
+        self._monitor = EngineMonitor(
+            core.scheduler, lambda: core.num_steps, core.config.cache.enable_prefix_caching
+        )
+        # True while a step runs in the worker thread: engine state is off limits then.
+        self._stepping = False
         self.error: BaseException | None = None
         # Monotonic time of the last finished step, or of the moment work arrived while
         # idle: readiness compares it with now to detect a stalled loop.
@@ -166,6 +172,23 @@ class AsyncLLM:
         """Asks the loop to end a request; unknown or finished ids are ignored."""
         self._inbox.put_nowait(_Abort(request_id))
 
+    async def watch(self) -> AsyncIterator[EngineView]:
+        """Yields views of the engine's state (ids and counts, never text): an EngineSnapshot
+        first, then EngineDeltas, each against the view before it, and a fresh snapshot
+        whenever this watcher fell behind. A few views a second at most; ends when the
+        engine loop stops. Views are taken only while someone watches."""
+        watcher = self._monitor.subscribe()
+        try:
+            while self.is_alive:
+                view = await watcher.get(timeout=self._monitor.min_interval)
+                if view is not None:
+                    yield view
+                elif not self._stepping:
+                    # Idle: no step will come to take the view, and none is in flight.
+                    self._monitor.capture_if_due()
+        finally:
+            self._monitor.unsubscribe(watcher)
+
     def _validate(self, prompt_token_ids: list[int]) -> None:
         max_model_len = self.config.scheduler.max_model_len
         if not prompt_token_ids:
@@ -192,7 +215,9 @@ class AsyncLLM:
                     # Idle after aborts: publish the now-empty gauges, as no step will.
                     self._publish(self.core.stats(), IterationStats())
                     continue
+                self._stepping = True
                 result = await loop.run_in_executor(self._executor, self.core.step)
+                self._stepping = False
                 self.last_progress = time.monotonic()
                 self._handle(result)
         except asyncio.CancelledError:
@@ -245,3 +270,5 @@ class AsyncLLM:
         self._abort_stats = IterationStats()
         if self._listener is not None:
             self._listener(stats, iteration)
+        self._monitor.observe(stats, iteration)
+        self._monitor.capture_if_due()
