@@ -1,6 +1,6 @@
 """A live view of the engine: the block pool, the queues and the prefix cache. Pure Python."""
 
-from engine.introspection.monitor import FINISHED_TTL, EngineMonitor, Watcher
+from engine.introspection.monitor import FINISHED_KEEP, FINISHED_TTL, EngineMonitor, Watcher
 from engine.introspection.view import (
     BlockCounts,
     BlockState,
@@ -15,6 +15,7 @@ from engine.introspection.view import (
 )
 
 __all__ = [
+    "FINISHED_KEEP",
     "FINISHED_TTL",
     "BlockCounts",
     "BlockState",

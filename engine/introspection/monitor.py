@@ -28,8 +28,9 @@ from engine.introspection.view import (
 from engine.outputs import FinishedRequestStats, IterationStats
 from engine.scheduler import Scheduler, SchedulerStats
 
-# How long a finished request stays on view, in seconds.
+# A finished request stays on view this many seconds, among the latest FINISHED_KEEP.
 FINISHED_TTL = 60.0
+FINISHED_KEEP = 100
 
 
 class Watcher:
@@ -80,7 +81,7 @@ class EngineMonitor:
         self._last_cost = 0.0  # seconds the last view took
         self._next_due = 0.0
         self._num_tokens = 0  # tokens scheduled since the last view
-        self._finished: deque[FinishedView] = deque()
+        self._finished: deque[FinishedView] = deque(maxlen=FINISHED_KEEP)
 
     def subscribe(self) -> Watcher:
         """A new watcher; the next chance between steps takes a view for it."""

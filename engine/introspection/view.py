@@ -114,7 +114,7 @@ class EngineSnapshot:
     # the whole free queue: it is reused after that many other blocks are handed out.
     eviction_order: tuple[tuple[int, int], ...]
     requests: tuple[RequestView, ...]  # running in batch order, then waiting in queue order
-    finished: tuple[FinishedView, ...]  # those of the last FINISHED_TTL seconds
+    finished: tuple[FinishedView, ...]  # the latest FINISHED_KEEP of the last FINISHED_TTL s
     counts: BlockCounts
     gauges: EngineGauges
     totals: EngineTotals
