@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine import AsyncLLM
 from server.chat import create_chat_completion, render_chat
 from server.completions import create_completion
+from server.dashboard import add_dashboard_routes
 from server.errors import OpenAIError, error_body, from_validation_error
 from server.metrics import ServerMetrics
 from server.middleware import GatewayMiddleware
@@ -87,6 +88,8 @@ def create_app(engine: AsyncLLM | Callable[[], AsyncLLM], settings: ServerSettin
     app.add_middleware(GatewayMiddleware, state=state)
     _install_error_handlers(app)
     _add_routes(app, state)
+    if not settings.disable_dashboard:
+        add_dashboard_routes(app, state)
     return app
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server.dashboard import BASIC_CHALLENGE, DASHBOARD_PATHS, basic_password
 from server.errors import OpenAIError
 from server.settings import AppState, Phase
 
@@ -73,11 +74,17 @@ class GatewayMiddleware:
         settings = self.state.settings
         if settings.api_key and path not in OPEN_PATHS:
             scheme, _, token = headers.get("authorization", "").partition(" ")
+            dashboard = path in DASHBOARD_PATHS
+            if dashboard and scheme.lower() == "basic":
+                scheme, token = "bearer", basic_password(token)
             valid = scheme.lower() == "bearer" and hmac.compare_digest(
                 token.strip().encode(), settings.api_key.encode()
             )
             if not valid:
-                return OpenAIError(401, "Incorrect or missing API key.", code="invalid_api_key")
+                challenge = BASIC_CHALLENGE if dashboard else None
+                return OpenAIError(
+                    401, "Incorrect or missing API key.", code="invalid_api_key", headers=challenge
+                )
         if path.startswith("/v1/") and method == "POST":
             if self.state.phase is Phase.DRAINING:
                 return OpenAIError(503, "the server is shutting down; retry on another replica")
