@@ -8,11 +8,13 @@ import json
 import re
 import time
 from collections.abc import Iterator
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import tomllib
 
 from engine.introspection import EngineMonitor
 from tests.server.conftest import tiny_engine
@@ -20,6 +22,7 @@ from tests.server.live import LiveServer, ServerProcess
 from tests.server.test_metrics import samples, total
 
 PREFIX = " ".join(f"t{10 + i}" for i in range(40))
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def first_events(url: str, count: int, **kwargs: Any) -> list[tuple[str, dict[str, Any]]]:
@@ -62,6 +65,14 @@ def test_the_page_is_self_contained(server: LiveServer) -> None:
     # Nothing is fetched from elsewhere: no src/href attributes, no absolute URLs.
     assert not re.search(r"\s(src|href)\s*=", page)
     assert not re.search(r"https?://", page)
+
+
+def test_the_page_ships_in_the_wheel() -> None:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    patterns = config["tool"]["setuptools"]["package-data"]["server"]
+    static = [p.relative_to(ROOT / "server").as_posix() for p in (ROOT / "server/static").iterdir()]
+    assert "static/dashboard.html" in static
+    assert all(any(fnmatch(path, pattern) for pattern in patterns) for path in static)
 
 
 def test_the_snapshot_agrees_with_metrics_at_idle(server: LiveServer) -> None:

@@ -97,3 +97,20 @@ def test_the_dashboard_shows_the_pool_at_work(tiny_model_dir: Path, tmp_path: Pa
     colors = {color for _, color in image.getcolors(maxcolors=image.width * image.height)}
     assert len(colors) > 20, "the screenshot is blank"
     assert (245, 158, 11) in colors, "no shared block (orange) in the screenshot"
+
+
+def test_a_large_pool_is_drawn_several_blocks_to_a_cell(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    engine = tiny_engine(tiny_model_dir, num_kv_blocks=10_000)
+    with LiveServer(engine) as server, Chromium(tmp_path) as browser:
+        browser.navigate(f"{server.url}/dashboard")
+        browser.wait_for("document.body.dataset.seq !== undefined", timeout=30)
+        grid = browser.evaluate(
+            "(() => { const g = document.getElementById('grid');"
+            " return [g.dataset.blocks, g.dataset.group, g.children.length,"
+            " document.getElementById('grid-note').textContent]; })()"
+        )
+        assert grid[:3] == ["10000", "3", 3334]
+        assert "one cell per 3 consecutive blocks" in grid[3]
+        assert browser.evaluate(count("never_used")) == 10_000
