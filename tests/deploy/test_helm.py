@@ -319,6 +319,7 @@ SERVER_FLAGS = {
     "stallTimeout": ("PAGEDSERVE_STALL_TIMEOUT", 120, "120"),
     "maxRequestBytes": ("PAGEDSERVE_MAX_REQUEST_BYTES", "32MiB", "32MiB"),
     "logRequests": ("PAGEDSERVE_LOG_REQUESTS", False, "false"),
+    "disableDashboard": ("PAGEDSERVE_DISABLE_DASHBOARD", True, "true"),
     "logLevel": ("PAGEDSERVE_LOG_LEVEL", "debug", "debug"),
     "logFormat": ("PAGEDSERVE_LOG_FORMAT", "text", "text"),
 }
