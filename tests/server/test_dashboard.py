@@ -17,6 +17,7 @@ import pytest
 import tomllib
 
 from engine.introspection import EngineMonitor
+from server.cli import build_parser, configs_from_args
 from tests.server.conftest import tiny_engine
 from tests.server.live import LiveServer, ServerProcess
 from tests.server.test_metrics import samples, total
@@ -160,10 +161,15 @@ def test_disable_dashboard_removes_both_routes(tiny_model_dir: Path) -> None:
             assert response.json()["error"]["type"] == "not_found_error"
 
 
+def test_disable_dashboard_is_a_flag() -> None:
+    for argv, disabled in ((["serve"], False), (["serve", "--disable-dashboard"], True)):
+        settings, _ = configs_from_args(build_parser().parse_args(argv))
+        assert settings.disable_dashboard is disabled
+
+
 def test_disable_dashboard_comes_from_the_environment(tiny_model_dir: Path) -> None:
     args = [str(tiny_model_dir), "--dtype", "float32", "--num-kv-blocks", "64"]
     env = {"PAGEDSERVE_DISABLE_DASHBOARD": "true"}
     with ServerProcess(args, env=env) as process:
         assert httpx.get(f"{process.url}/dashboard").status_code == 404
-    with ServerProcess(args) as process:
-        assert httpx.get(f"{process.url}/dashboard").status_code == 200
+        assert httpx.get(f"{process.url}/v1/models").status_code == 200
