@@ -56,12 +56,16 @@ class Chromium:
         args = [chromium_path(), *FLAGS, self.size, f"--user-data-dir={self.profile}"]
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen([*args, "about:blank"], stdout=log, stderr=log)
-        port = self._devtools_port()
-        pages = httpx.get(f"http://127.0.0.1:{port}/json/list", timeout=10).json()
-        url = next(p["webSocketDebuggerUrl"] for p in pages if p["type"] == "page")
-        self.ws = self._closing.enter_context(connect(url, max_size=None, open_timeout=10))
-        self.call("Runtime.enable")
-        self.call("Page.enable")
+        try:
+            port = self._devtools_port()
+            pages = httpx.get(f"http://127.0.0.1:{port}/json/list", timeout=10).json()
+            url = next(p["webSocketDebuggerUrl"] for p in pages if p["type"] == "page")
+            self.ws = self._closing.enter_context(connect(url, max_size=None, open_timeout=10))
+            self.call("Runtime.enable")
+            self.call("Page.enable")
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
