@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # `make soak`: seconds of random load (`make test` runs a one-minute soak).
 SOAK_SECONDS ?= 600
 
-.PHONY: install serve test soak lint format clean promtool
+.PHONY: install serve test soak lint format clean promtool chromium
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -31,14 +31,23 @@ format: install
 	$(VENV)/bin/ruff check --fix engine server tests benchmarks
 	$(VENV)/bin/ruff format engine server tests benchmarks
 
-# promtool checks the metrics and alert rules; it comes from Debian's prometheus package.
-promtool:
-	@command -v promtool >/dev/null || { \
+# $(call apt_install,COMMAND,PACKAGE): installs a Debian package when COMMAND is missing.
+define apt_install
+	@command -v $(1) >/dev/null || { \
 		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 		$$SUDO apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends prometheus; }
+		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends $(2); }
+endef
 
-test: install lint promtool
+# promtool checks the metrics and alert rules; it comes from Debian's prometheus package.
+promtool:
+	$(call apt_install,promtool,prometheus)
+
+# The dashboard test drives headless Chromium, from Debian's chromium package.
+chromium:
+	$(call apt_install,chromium,chromium)
+
+test: install lint promtool chromium
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 soak: install

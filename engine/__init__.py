@@ -12,6 +12,18 @@ from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineArgs, EngineHooks
 from engine.errors import EngineClosedError, EngineDeadError, RequestValidationError
+from engine.introspection import (
+    BlockCounts,
+    BlockState,
+    EngineDelta,
+    EngineGauges,
+    EngineRates,
+    EngineSnapshot,
+    EngineTotals,
+    EngineView,
+    FinishedView,
+    RequestView,
+)
 from engine.models.default_model import DEFAULT_MODEL_NAME, prepare_default_model
 from engine.outputs import (
     CompletionOutput,
@@ -32,18 +44,28 @@ __all__ = [
     "DEFAULT_MODEL_NAME",
     "LLM",
     "AsyncLLM",
+    "BlockCounts",
+    "BlockState",
     "CompletionOutput",
     "EngineArgs",
     "EngineClosedError",
     "EngineDeadError",
+    "EngineDelta",
+    "EngineGauges",
     "EngineHooks",
+    "EngineRates",
+    "EngineSnapshot",
+    "EngineTotals",
+    "EngineView",
     "FinishedRequestStats",
+    "FinishedView",
     "IterationStats",
     "Logprobs",
     "RequestOutput",
     "RequestOutputKind",
     "RequestStream",
     "RequestValidationError",
+    "RequestView",
     "SamplingParams",
     "SchedulerStats",
     "StatsListener",

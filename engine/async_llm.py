@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +21,7 @@ from typing import Any
 from engine.config import EngineArgs, EngineConfig, EngineHooks, load_tokenizer
 from engine.core import EngineCore
 from engine.errors import EngineClosedError, EngineDeadError, RequestValidationError
+from engine.introspection import EngineMonitor, EngineView
 from engine.output_processor import OutputProcessor
 from engine.outputs import IterationStats
 from engine.sampling_params import SamplingParams
@@ -62,6 +63,11 @@ class AsyncLLM:
         self._step: Future[StepResult] | None = None
         self._listener: StatsListener | None = None
         self._abort_stats = IterationStats()
+        self._monitor = EngineMonitor(
+            core.scheduler, lambda: core.num_steps, core.config.cache.enable_prefix_caching
+        )
+        # True while a step runs in the worker thread: engine state is off limits then.
+        self._stepping = False
         self.error: BaseException | None = None
         self._closed_reason: str | None = None
         # Choices (and their prompt tokens) not running yet: in the inbox, and in the
@@ -168,6 +174,23 @@ class AsyncLLM:
         """Asks the loop to end a request; unknown or finished ids are ignored."""
         self._inbox.put_nowait(_Abort(request_id))
 
+    async def watch(self) -> AsyncIterator[EngineView]:
+        """Yields views of the engine's state (ids and counts, never text): an EngineSnapshot
+        first, then EngineDeltas, each against the view before it, and a fresh snapshot
+        whenever this watcher fell behind. A few views a second at most; ends when the
+        engine loop stops. Views are taken only while someone watches."""
+        watcher = self._monitor.subscribe()
+        try:
+            while self.is_alive:
+                view = await watcher.get(timeout=self._monitor.min_interval)
+                if view is not None:
+                    yield view
+                elif not self._stepping:
+                    # Idle: no step will come to take the view, and none is in flight.
+                    self._monitor.capture_if_due()
+        finally:
+            self._monitor.unsubscribe(watcher)
+
     def _validate(self, prompt_token_ids: list[int]) -> None:
         max_model_len = self.config.scheduler.max_model_len
         if not prompt_token_ids:
@@ -193,8 +216,10 @@ class AsyncLLM:
                     # Idle after aborts: publish the now-empty gauges, as no step will.
                     self._publish(self.core.stats(), IterationStats())
                     continue
+                self._stepping = True
                 self._step = self._executor.submit(self.core.step)
                 result = await asyncio.wrap_future(self._step)
+                self._stepping = False
                 self.last_progress = time.monotonic()
                 self._handle(result)
         except asyncio.CancelledError:
@@ -257,3 +282,5 @@ class AsyncLLM:
         self._abort_stats = IterationStats()
         if self._listener is not None:
             self._listener(stats, iteration)
+        self._monitor.observe(stats, iteration)
+        self._monitor.capture_if_due()

@@ -22,6 +22,7 @@ from server.admission import Admission, QueueLimits
 from server.body import parse_body
 from server.chat import create_chat_completion, render_chat
 from server.completions import create_completion, prompt_batch
+from server.dashboard import add_dashboard_routes
 from server.disconnect import CLIENT_CLOSED_REQUEST, ClientDisconnected, cancel_on_disconnect
 from server.errors import OpenAIError, error_body
 from server.metrics import ServerMetrics
@@ -114,6 +115,8 @@ def create_app(engine: AsyncLLM | Callable[[], AsyncLLM], settings: ServerSettin
     app.add_middleware(GatewayMiddleware, state=state)
     _install_error_handlers(app)
     _add_routes(app, state)
+    if not settings.disable_dashboard:
+        add_dashboard_routes(app, state)
     install_openapi(app)
     return app
 

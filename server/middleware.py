@@ -17,6 +17,7 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.admission import RETRY_AFTER_S
+from server.dashboard import BASIC_CHALLENGE, DASHBOARD_PATHS, basic_password
 from server.errors import OpenAIError
 from server.settings import AppState, Phase
 
@@ -60,7 +61,7 @@ class GatewayMiddleware:
         request_id = headers.get("x-request-id", "")
         if not _REQUEST_ID.fullmatch(request_id):
             request_id = uuid.uuid4().hex
-        tenant = self.state.keys.tenant(headers.get("authorization", ""))
+        tenant = self.state.keys.tenant(_authorization(scope["path"], headers))
         scope.setdefault("state", {}).update(request_id=request_id, tenant=tenant)
         reply = _Reply(send, request_id, self.state)
         tracked = scope["path"].startswith("/v1/") and scope["method"] == "POST"
@@ -92,7 +93,11 @@ class GatewayMiddleware:
         self, path: str, method: str, headers: dict[str, str], tenant: str | None
     ) -> OpenAIError | None:
         if not self.state.keys.open and tenant is None and path not in OPEN_PATHS:
-            return OpenAIError(401, "Incorrect or missing API key.", code="invalid_api_key")
+            # A browser asks for the dashboard's key once it is challenged for Basic auth.
+            challenge = BASIC_CHALLENGE if path in DASHBOARD_PATHS else None
+            return OpenAIError(
+                401, "Incorrect or missing API key.", code="invalid_api_key", headers=challenge
+            )
         if path.startswith("/v1/") and method == "POST":
             if self.state.phase is Phase.DRAINING:
                 return OpenAIError(503, "the server is shutting down; retry on another replica")
@@ -132,3 +137,14 @@ class GatewayMiddleware:
             return dict(message)
 
         return wrapped
+
+
+def _authorization(path: str, headers: dict[str, str]) -> str:
+    """The request's Authorization header, with the dashboard's HTTP Basic credentials (a
+    browser cannot send a Bearer header on a page load or an EventSource) read as a Bearer
+    key whose value is the Basic password."""
+    authorization = headers.get("authorization", "")
+    scheme, _, credentials = authorization.partition(" ")
+    if path in DASHBOARD_PATHS and scheme.lower() == "basic":
+        return f"Bearer {basic_password(credentials)}"
+    return authorization

@@ -71,6 +71,9 @@ class ServerSettings(BaseModel):
     )
     log_format: Literal["text", "json"] = Field(default="text", description="log line format")
     log_requests: bool = Field(default=True, description="one log line per finished request")
+    disable_dashboard: bool = Field(
+        default=False, description="turn off the live engine view, /dashboard and its events"
+    )
 
 
 class Phase(enum.Enum):

@@ -89,5 +89,12 @@ class FreeBlockQueue:
             yield block
             block = block.next_free
 
+    def __reversed__(self) -> Iterator[KVCacheBlock]:
+        """From the back (evicted last) to the front."""
+        block = self._tail.prev_free
+        while block is not None and block is not self._head:
+            yield block
+            block = block.prev_free
+
     def contains(self, block: KVCacheBlock) -> bool:
         return block.prev_free is not None

@@ -21,6 +21,10 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVCacheBlock] = {}
+        # Blocks 0 .. num_ever_used - 1 have been allocated at least once, the rest never:
+        # the queue starts in id order, hands out its front first, and only ever takes
+        # back (or pulls out of its middle) blocks that were allocated before.
+        self.num_ever_used = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -42,6 +46,7 @@ class BlockPool:
         if n > self.num_free_blocks:
             raise ValueError(f"cannot allocate {n} blocks, {self.num_free_blocks} free")
         blocks = [self.free_queue.popleft() for _ in range(n)]
+        self.num_ever_used = min(self.num_blocks, self.num_ever_used + n)
         for block in blocks:
             self._evict(block)
             block.ref_cnt = 1
@@ -91,7 +96,8 @@ class BlockPool:
         """Raise AssertionError if the pool is inconsistent.
 
         Checks: free + in-use == total; ref_cnt == 0 exactly for blocks in the free queue;
-        each queued block appears once; every cache entry points at a block with that hash;
+        each queued block appears once; never-used blocks lead the queue, unhashed; every
+        cache entry points at a block with that hash;
         and, given the block lists that requests hold, each block's ref_cnt equals the
         number of holders.
         """
@@ -105,6 +111,11 @@ class BlockPool:
             assert (block.ref_cnt == 0) == self.free_queue.contains(block), (
                 f"{block}: ref_cnt == 0 must hold exactly when it is in the free queue"
             )
+        never_used = list(range(self.num_ever_used, self.num_blocks))
+        assert [b.block_id for b in queued[: len(never_used)]] == never_used, (
+            "never-used blocks must lead the free queue, in id order"
+        )
+        assert all(self.blocks[i].block_hash is None for i in never_used)
         for digest, block in self.cached.items():
             assert block.block_hash is not None and block.block_hash.digest == digest, (
                 f"cache entry for {block} does not match its hash"

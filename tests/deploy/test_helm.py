@@ -328,6 +328,7 @@ SERVER_FLAGS = {
     "maxConcurrentRequestsPerTenant": ("PAGEDSERVE_MAX_CONCURRENT_REQUESTS_PER_TENANT", 8, "8"),
     "tenantMetrics": ("PAGEDSERVE_TENANT_METRICS", True, "true"),
     "logRequests": ("PAGEDSERVE_LOG_REQUESTS", False, "false"),
+    "disableDashboard": ("PAGEDSERVE_DISABLE_DASHBOARD", True, "true"),
     "logLevel": ("PAGEDSERVE_LOG_LEVEL", "debug", "debug"),
     "logFormat": ("PAGEDSERVE_LOG_FORMAT", "text", "text"),
 }
