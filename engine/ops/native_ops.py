@@ -94,3 +94,27 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows.shape[0], half, dtype=gate_up.dtype)
     torch.ops.pagedserve.silu_and_mul(out, rows)
     return out.view(*gate_up.shape[:-1], half)
+
+
+# A tiled quantized weight as the ops take it (engine.models.quantized.TiledWeight's
+# kernel_args): qweight, scales, mins, bits, group_size, n.
+QuantArgs = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int, int, int]
+
+
+def quant_linear(x: torch.Tensor, weight: QuantArgs) -> torch.Tensor | None:
+    """x (M, K) @ W^T for a tiled quantized W, or None where the native kernel cannot run
+    (not CPU float32/bfloat16, or no native kernels)."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if not native_kernels_available():
+        return None
+    return torch.ops.pagedserve.quant_linear(x, *weight)
+
+
+def quant_dequantize(
+    weight: QuantArgs, rows: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor | None:
+    """The (selected rows of the) dequantized weight in `dtype`, or None without the kernels."""
+    if weight[0].device.type != "cpu" or not native_kernels_available():
+        return None
+    return torch.ops.pagedserve.quant_dequantize(*weight, rows, dtype)

@@ -12,7 +12,14 @@ import torch
 
 from engine.attention import resolve_backend_name
 from engine.attention.backend import kv_cache_bytes_per_block
-from engine.config import CacheConfig, DeviceConfig, EngineArgs, ModelConfig, SchedulerConfig
+from engine.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineArgs,
+    ModelConfig,
+    SchedulerConfig,
+    resolve_quant_config,
+)
 from engine.models.arch import ModelArch
 from engine.models.loader import load_model
 from engine.utils import cdiv
@@ -93,7 +100,12 @@ class Worker:
         self.model_config = model
         self.device = torch.device(self.device_config.device)
         self.dtype = DTYPES[self.device_config.dtype]
-        self.model, _ = load_model(model.weights, self.dtype, self.device)
+        self.quant_config = resolve_quant_config(args, model, self.device.type)
+        if model.gguf is not None and self.quant_config.method == "none":
+            logger.info(
+                "serving %s's weights in %s (--quantization none)", model.gguf.name, self.dtype
+            )
+        self.model, _ = load_model(model.weights, self.dtype, self.device, self.quant_config)
 
     @property
     def _graph_scratch_blocks(self) -> int:

@@ -1,0 +1,143 @@
+"""Quantized linear layers against their dequantized dense reference (float64), for every
+format and the step shapes the engine runs: M = 1 (decode), 7, 64 and 513 (prefill)."""
+
+from __future__ import annotations
+
+import functools
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from engine.models.quantized import (
+    MAX_KERNEL_ROWS,
+    QuantizedWeight,
+    TiledWeight,
+    dequantize,
+    dequantize_reference,
+    from_gguf,
+    pack_nibbles,
+    pack_tiles,
+    quantize_int4,
+    quantize_int8,
+    quantized_linear,
+    unpack_nibbles,
+)
+from engine.ops.build import native_kernels_available
+
+N, K = 200, 576  # N is not a multiple of the 16-row tile: the padding is exercised too
+FORMATS = ("int8", "int4-g32", "int4-g64", "Q4_0", "Q4_1", "Q8_0")
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 4e-3}  # of the output's max magnitude
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _native() -> None:
+    assert native_kernels_available(), "the native CPU kernels must build for these tests"
+
+
+@functools.cache
+def make_weight(fmt: str, n: int = N, k: int = K, seed: int = 0) -> QuantizedWeight:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    if fmt == "int8":
+        return quantize_int8(w)
+    if fmt.startswith("int4"):
+        return quantize_int4(w, int(fmt.split("-g")[1]))
+    qtype = getattr(gguf.GGMLQuantizationType, fmt)
+    return from_gguf(fmt, gguf.quants.quantize(w.numpy(), qtype), (n, k))
+
+
+def kernel(op: str, x: torch.Tensor, w: TiledWeight) -> torch.Tensor:
+    return getattr(torch.ops.pagedserve, op)(x, *w.kernel_args())
+
+
+def relative_error(y: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((y.double() - reference).abs().max() / reference.abs().max())
+
+
+# The vector kernels at every step shape; the portable loops (the fallback) on decode-sized
+# ones, where they are fast enough to test.
+KERNEL_CASES = [("quant_linear", m) for m in (1, 7, 64, 513)] + [
+    ("quant_linear_portable", m) for m in (1, 7, 64)
+]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(("op", "m"), KERNEL_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kernel_matches_the_dequantized_reference(
+    fmt: str, op: str, m: int, dtype: torch.dtype
+) -> None:
+    weight = make_weight(fmt)
+    dense = dequantize_reference(weight).double()
+    x = torch.randn(m, K, generator=torch.Generator().manual_seed(m)).to(dtype)
+    y = kernel(op, x, pack_tiles(weight))
+    reference = x.double() @ dense.T
+    error = relative_error(y, reference)
+    print(f"{fmt} M={m} {dtype} {op}: max error {error:.2e} of max |y|")
+    assert y.shape == (m, N) and y.dtype == dtype
+    assert error < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_layer_picks_kernel_or_dense_path_with_the_same_result(fmt: str) -> None:
+    weight = pack_tiles(make_weight(fmt))
+    bias = torch.randn(N)
+    for m in (1, MAX_KERNEL_ROWS, MAX_KERNEL_ROWS + 1, 100):
+        x = torch.randn(3, m, K)  # leading dimensions are kept
+        y = quantized_linear(x, weight, bias)
+        reference = x.double() @ dequantize(weight, torch.float64).T + bias.double()
+        assert y.shape == (3, m, N)
+        assert relative_error(y, reference) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_repack_exactly(fmt: str) -> None:
+    """Our dequantization of a GGUF tensor, before and after tiling, is gguf's own, bit for
+    bit: the repack moves integers and float16 scales, nothing is rounded."""
+    w = torch.randn(64, 96, generator=torch.Generator().manual_seed(1)).numpy()
+    qtype = getattr(gguf.GGMLQuantizationType, fmt)
+    raw = gguf.quants.quantize(w, qtype)
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, qtype))
+    weight = from_gguf(fmt, raw, (64, 96))
+    assert torch.equal(dequantize_reference(weight), expected)
+    assert torch.equal(dequantize(pack_tiles(weight), torch.float32), expected)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_row_lookup_dequantizes_exactly(fmt: str) -> None:
+    weight = make_weight(fmt)
+    rows = torch.tensor([0, 199, 17, 17, 128])
+    looked_up = dequantize(pack_tiles(weight), torch.float32, rows)
+    assert torch.equal(looked_up, dequantize_reference(weight)[rows])
+    with pytest.raises(RuntimeError, match="out of range"):
+        dequantize(pack_tiles(weight), torch.float32, torch.tensor([N]))
+
+
+def test_quantizers_stay_within_half_a_step() -> None:
+    w = torch.randn(48, 128, generator=torch.Generator().manual_seed(2))
+    for group in (32, 64):
+        q = quantize_int4(w, group)
+        step = q.scales.float().repeat_interleave(group, dim=1)
+        assert ((dequantize_reference(q) - w).abs() <= step / 2 + 1e-6).all()
+    q8 = quantize_int8(w)
+    assert ((dequantize_reference(q8) - w).abs() <= q8.scales.float() / 2 + 1e-6).all()
+
+
+def test_nibbles_round_trip_in_gguf_order() -> None:
+    q = torch.randint(0, 16, (3, 64), dtype=torch.uint8)
+    packed = pack_nibbles(q)
+    assert torch.equal(unpack_nibbles(packed), q)
+    # Byte j of a block: weight j low, weight j + 16 high.
+    assert int(packed[0, 1]) == int(q[0, 1]) | int(q[0, 17]) << 4
+
+
+def test_fused_layers_concatenate_rows_and_rows_reorder() -> None:
+    a, b = make_weight("Q4_1", 32, 64, 1), make_weight("Q4_1", 48, 64, 2)
+    fused = QuantizedWeight.cat([a, b])
+    expected = torch.cat([dequantize_reference(a), dequantize_reference(b)])
+    assert torch.equal(dequantize_reference(fused), expected)
+    order = np.arange(80)[::-1].copy()
+    assert torch.equal(dequantize_reference(fused.rows(order)), expected[order.tolist()])
+    with pytest.raises(ValueError, match="share K"):
+        QuantizedWeight.cat([a, make_weight("Q8_0", 32, 64)])
