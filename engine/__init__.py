@@ -26,6 +26,7 @@ from engine.scheduler.output import SchedulerStats
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM, StatsListener
     from engine.llm import LLM
+    from engine.worker.worker import resolve_device_config
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
@@ -45,6 +46,7 @@ __all__ = [
     "SchedulerStats",
     "StatsListener",
     "prepare_default_model",
+    "resolve_device_config",
 ]
 
 
@@ -57,4 +59,8 @@ def __getattr__(name: str) -> Any:
         from engine import async_llm
 
         return getattr(async_llm, name)
+    if name == "resolve_device_config":
+        from engine.worker.worker import resolve_device_config
+
+        return resolve_device_config
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

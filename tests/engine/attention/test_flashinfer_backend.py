@@ -48,7 +48,9 @@ def cuda_present(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_selection_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert flashinfer_available() == (False, "CUDA is not available")
-    assert select_gpu_backend("auto", "cuda", DTYPE) == "torch"
+    fallback = select_gpu_backend("auto", "cuda", DTYPE)
+    assert fallback.name == "torch"
+    assert fallback.reason == "auto: FlashInfer is unavailable: CUDA is not available"
     with pytest.raises(ValueError, match="'flashinfer' is unavailable: CUDA is not available"):
         select_gpu_backend("flashinfer", "cuda", DTYPE)
 
@@ -59,7 +61,7 @@ def test_selection_when_flashinfer_does_not_import(
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # makes `import flashinfer` fail
     ok, reason = flashinfer_available("cuda", DTYPE)
     assert not ok and "import flashinfer" in reason and ".[gpu]" in reason
-    assert select_gpu_backend("auto", "cuda", DTYPE) == "torch"
+    assert select_gpu_backend("auto", "cuda", DTYPE).name == "torch"
     with pytest.raises(ValueError, match="import flashinfer"):
         select_gpu_backend("flashinfer", "cuda", DTYPE)
 
@@ -69,11 +71,11 @@ def test_selection_when_flashinfer_imports(
 ) -> None:
     monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
     assert flashinfer_available("cuda", DTYPE) == (True, "")
-    assert select_gpu_backend("auto", "cuda", DTYPE) == "flashinfer"
-    assert select_gpu_backend("flashinfer", "cuda:0", torch.float16) == "flashinfer"
-    assert select_gpu_backend("torch", "cuda", DTYPE) == "torch"
+    assert select_gpu_backend("auto", "cuda", DTYPE).name == "flashinfer"
+    assert select_gpu_backend("flashinfer", "cuda:0", torch.float16).name == "flashinfer"
+    assert select_gpu_backend("torch", "cuda", DTYPE).name == "torch"
     # FlashInfer has no float32 kernels, and runs only on CUDA devices.
-    assert select_gpu_backend("auto", "cuda", torch.float32) == "torch"
+    assert select_gpu_backend("auto", "cuda", torch.float32).name == "torch"
     with pytest.raises(ValueError, match="float16 and bfloat16"):
         select_gpu_backend("flashinfer", "cuda", torch.float32)
     with pytest.raises(ValueError, match="only on CUDA devices"):
