@@ -32,6 +32,13 @@ logger = logging.getLogger(__name__)
 
 # FlashInfer's documented recommendation for the float workspace (split-KV partial results).
 WORKSPACE_BYTES = 128 << 20
+
+
+def new_workspace(device: torch.device) -> torch.Tensor:
+    """FlashInfer's float workspace: zeroed, as its documentation requires for first use."""
+    return torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -143,7 +150,7 @@ class FlashInferAttentionBackend(_PagedAttention):
 
     `flashinfer` is the module to call (tests pass a recording stand-in); None imports the real
     one. `workspace` is FlashInfer's float scratch buffer, which wrappers running one after
-    another on the same stream may share; None allocates WORKSPACE_BYTES on the cache's device.
+    another on the same stream may share; None allocates a new_workspace on the cache's device.
     """
 
     def __init__(
@@ -156,7 +163,7 @@ class FlashInferAttentionBackend(_PagedAttention):
     ) -> None:
         super().__init__(kv_cache, num_heads, scale, flashinfer)
         if workspace is None:
-            workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=kv_cache.device)
+            workspace = new_workspace(kv_cache.device)
         self.workspace = workspace
         self._prefill = self.fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
         self._decode = self.fi.BatchDecodeWithPagedKVCacheWrapper(
