@@ -101,7 +101,8 @@ def kernels_extension() -> cpp_extension.setuptools.Extension:
         "engine.ops._C",
         [str((CSRC / name).relative_to(ROOT)) for name in (*ENTRY_POINTS, *KERNELS)],
         define_macros=macros,
-        extra_compile_args={"cxx": ["-O3", "-fno-math-errno", *openmp_cflags]},
+        # -g0: the interpreter's CFLAGS may ask for debug info, which would fill the wheel.
+        extra_compile_args={"cxx": ["-O3", "-g0", "-fno-math-errno", *openmp_cflags]},
         extra_link_args=ldflags,
         depends=[str(p.relative_to(ROOT)) for p in sorted(CSRC.iterdir())],
         py_limited_api=True,
