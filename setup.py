@@ -39,10 +39,17 @@ CSRC: Path = sources.CSRC
 ENTRY_POINTS = ("dispatch.cpp", "attention_ops.cpp", "elementwise_ops.cpp")
 KERNELS = ("attention_kernels.cpp", "elementwise_kernels.cpp")
 BASELINE_ISA = "isa_portable"
-_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]
-# The instruction sets compiled beside the baseline one, with their flags (kernels.h).
+_AVX2 = ["-mavx2", "-mfma", "-mf16c"]
+_AVX512 = [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+# The instruction sets compiled beside the baseline one, with their flags (kernels.h). Each
+# is a superset of the one before, and the link keeps this order: an inline function the
+# linker merges keeps the copy of the smallest set that has one.
 EXTRA_ISAS = (
-    {"isa_avx512": _AVX512, "isa_avx512_bf16": [*_AVX512, "-mavx512bf16"]}
+    {
+        "isa_avx2": _AVX2,
+        "isa_avx512": _AVX512,
+        "isa_avx512_bf16": [*_AVX512, "-mavx512bf16"],
+    }
     if platform.machine().lower() in ("x86_64", "amd64")
     else {}
 )
@@ -96,7 +103,7 @@ def kernels_extension() -> cpp_extension.setuptools.Extension:
         ("PAGEDSERVE_SOURCES_SHA256", sources.sources_sha256()),
     ]
     if EXTRA_ISAS:
-        macros.append(("PAGEDSERVE_WITH_AVX512", None))
+        macros.append(("PAGEDSERVE_WITH_X86_ISAS", None))
     return cpp_extension.CppExtension(
         "engine.ops._C",
         [str((CSRC / name).relative_to(ROOT)) for name in (*ENTRY_POINTS, *KERNELS)],

@@ -22,13 +22,18 @@ namespace {
 
 bool always() { return true; }
 
-#ifdef PAGEDSERVE_WITH_AVX512
-// Everything the AVX-512 sets are compiled with (setup.py's -m flags).
-bool has_avx512() {
+#ifdef PAGEDSERVE_WITH_X86_ISAS
+// Everything each set is compiled with (setup.py's -m flags).
+bool has_avx2() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-         __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+}
+
+bool has_avx512() {
+  return has_avx2() && __builtin_cpu_supports("avx512f") &&
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512dq");
 }
 
 bool has_avx512_bf16() { return has_avx512() && __builtin_cpu_supports("avx512bf16"); }
@@ -53,9 +58,10 @@ struct IsaEntry {
 // Best first.
 const std::vector<IsaEntry>& built_isas() {
   static const std::vector<IsaEntry> isas = {
-#ifdef PAGEDSERVE_WITH_AVX512
+#ifdef PAGEDSERVE_WITH_X86_ISAS
       {PAGEDSERVE_KERNELS("avx512_bf16", isa_avx512_bf16), &has_avx512_bf16},
       {PAGEDSERVE_KERNELS("avx512", isa_avx512), &has_avx512},
+      {PAGEDSERVE_KERNELS("avx2", isa_avx2), &has_avx2},
 #endif
       {PAGEDSERVE_KERNELS("portable", isa_portable), &always},
   };

@@ -6,13 +6,15 @@
 // set's -m flags and -DPAGEDSERVE_ISA=<namespace>, so every function of ours exists once
 // per instruction set under its own name:
 //
-//   pagedserve::isa_portable::...      baseline flags          every CPU
-//   pagedserve::isa_avx512::...        + AVX-512 F/BW/VL/DQ    x86-64 only
-//   pagedserve::isa_avx512_bf16::...   + AVX512_BF16           x86-64 only
+//   pagedserve::isa_portable::...      baseline flags           every CPU
+//   pagedserve::isa_avx2::...          + AVX2, FMA, F16C        x86-64 only
+//   pagedserve::isa_avx512::...        + AVX-512 F/BW/VL/DQ     x86-64 only
+//   pagedserve::isa_avx512_bf16::...   + AVX512_BF16            x86-64 only
 //
 // dispatch.cpp picks one set from the CPU's features at run time (one binary for every
-// CPU). The build links the baseline objects first, so an inline function of a shared
-// header (std::, c10::) that the linker merges keeps its baseline copy.
+// CPU). The build links the baseline objects first and the others in the order above, so
+// an inline function of a shared header (std::, c10::) that the linker merges keeps the
+// copy of the smallest set that has one, which every caller's CPU can run.
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -166,7 +168,8 @@ inline const Kernels& kernels_for(const std::optional<std::string>& isa) {
   }
 
 PAGEDSERVE_DECLARE_KERNELS(isa_portable)
-#ifdef PAGEDSERVE_WITH_AVX512
+#ifdef PAGEDSERVE_WITH_X86_ISAS
+PAGEDSERVE_DECLARE_KERNELS(isa_avx2)
 PAGEDSERVE_DECLARE_KERNELS(isa_avx512)
 PAGEDSERVE_DECLARE_KERNELS(isa_avx512_bf16)
 #endif
