@@ -1,4 +1,4 @@
-// One instruction set's paged-attention item kernel (see paged_attention_ops.cpp for the
+// One instruction set's paged-attention item kernel (see attention_ops.cpp for the
 // algorithm, kernels.h for how the instruction sets are built and chosen). With AVX-512,
 // the head sizes below run attention_avx512.h and the others attention_portable.h; without
 // it, attention_portable.h runs everything. bf16 uses AVX512_BF16 dot products where the
