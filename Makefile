@@ -10,11 +10,16 @@ SOAK_SECONDS ?= 600
 
 .PHONY: install serve test soak lint format clean promtool chromium
 
-$(VENV)/.installed: pyproject.toml
+# The native CPU kernels are compiled against the venv's torch (setup.py), so the build
+# runs without isolation, after torch and the build tools; editing a kernel source
+# rebuilds them (and a failed build fails `make test`).
+NATIVE_SOURCES := setup.py $(wildcard engine/ops/csrc/*)
+
+$(VENV)/.installed: pyproject.toml $(NATIVE_SOURCES)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet '$(TORCH_SPEC)'
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet '$(TORCH_SPEC)' 'setuptools>=68' ninja
+	$(PY) -m pip install --quiet --no-build-isolation -e '.[dev]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -23,13 +28,13 @@ serve: install
 	$(VENV)/bin/pagedserve serve --port $(PORT)
 
 lint: install
-	$(VENV)/bin/ruff check engine server tests benchmarks
-	$(VENV)/bin/ruff format --check engine server tests benchmarks
+	$(VENV)/bin/ruff check engine server tests benchmarks setup.py
+	$(VENV)/bin/ruff format --check engine server tests benchmarks setup.py
 	$(VENV)/bin/mypy engine
 
 format: install
-	$(VENV)/bin/ruff check --fix engine server tests benchmarks
-	$(VENV)/bin/ruff format engine server tests benchmarks
+	$(VENV)/bin/ruff check --fix engine server tests benchmarks setup.py
+	$(VENV)/bin/ruff format engine server tests benchmarks setup.py
 
 # $(call apt_install,COMMAND,PACKAGE): installs a Debian package when COMMAND is missing.
 define apt_install
@@ -54,4 +59,4 @@ soak: install
 	$(PY) -m tests.server.soak --duration $(SOAK_SECONDS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build engine/ops/_C*.so

@@ -1,6 +1,7 @@
 """Attention backends on the CPU, one layer call at a time: torch reference vs native kernels.
 
     python benchmarks/attention_cpu.py --dtype bfloat16 --rounds 10
+    python benchmarks/attention_cpu.py --isas      # also each instruction set this CPU runs
 
 SmolLM2-135M shapes by default (9 query heads, 3 KV heads, head_dim 64, 30 layers). Each
 call is the backend's `forward` as the model runs it: write this step's K/V through the
@@ -13,6 +14,7 @@ Not a test: timings are never asserted.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -22,6 +24,8 @@ import torch
 from engine.attention import create_backend
 from engine.attention.backend import AttentionBackend, allocate_kv_cache
 from engine.attention.metadata import AttentionMetadata, build_attention_metadata
+from engine.attention.native_backend import NativeCpuAttentionBackend
+from engine.ops.loader import native_kernels
 
 Step = tuple[torch.Tensor, list[tuple[torch.Tensor, ...]], AttentionMetadata]
 
@@ -61,14 +65,24 @@ def time_calls(backend: AttentionBackend, step: Step, calls: int, first: int) ->
     return times
 
 
+def isa_backend(kv_cache: torch.Tensor, args: argparse.Namespace, isa: str) -> AttentionBackend:
+    """The cpu-native backend running one instruction set's kernels instead of the best."""
+    backend = NativeCpuAttentionBackend(kv_cache, args.heads, args.head_dim**-0.5)
+    backend._kernel = functools.partial(torch.ops.pagedserve.paged_attention, isa=isa)
+    return backend
+
+
 def bench(name: str, args: argparse.Namespace, computed: list[int], new: list[int]) -> None:
-    """Alternates short rounds of each backend, so background load hits both alike."""
+    """Alternates short rounds of each backend, so background load hits all alike."""
     step = make_step(args, computed, new)
     kv_cache, _, md = step
     backends = {
         name: create_backend(name, kv_cache, args.heads, args.head_dim**-0.5)
         for name in ("torch", "cpu-native")
     }
+    if args.isas:
+        for isa in native_kernels().supported:
+            backends[isa] = isa_backend(kv_cache, args, isa)
     times: dict[str, list[float]] = {name: [] for name in backends}
     for backend in backends.values():
         backend.plan(md)
@@ -84,6 +98,9 @@ def bench(name: str, args: argparse.Namespace, computed: list[int], new: list[in
         f"   speedup {median['torch'] / median['cpu-native']:5.2f}x"
         f"   (K+V {kv_bytes / 2**20:.1f} MiB per layer)"
     )
+    for isa in native_kernels().supported if args.isas else ():
+        speedup = median["torch"] / median[isa]
+        print(f"{'':<26} {isa:<12} {median[isa]:7.3f} ms   speedup {speedup:5.2f}x")
 
 
 def main() -> None:
@@ -100,11 +117,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--calls", type=int, default=30, help="layer calls per round")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument(
+        "--isas", action="store_true", help="also time each instruction set's kernels"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"{args.dtype}, heads {args.heads}/{args.kv_heads}, head_dim {args.head_dim}, "
-          f"{torch.get_num_threads()} threads; median per layer call")  # fmt: skip
+          f"{torch.get_num_threads()} threads, native kernels {native_kernels().describe()}; "
+          "median per layer call")  # fmt: skip
     rng = np.random.default_rng(1)
     n = args.num_decodes
     contexts = rng.integers(args.context - 50, args.context + 50, size=n).tolist()

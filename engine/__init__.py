@@ -39,6 +39,7 @@ from engine.streams import RequestStream
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM, StatsListener
     from engine.llm import LLM
+    from engine.worker.worker import describe_setup
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
@@ -69,6 +70,7 @@ __all__ = [
     "SamplingParams",
     "SchedulerStats",
     "StatsListener",
+    "describe_setup",
     "prepare_default_model",
 ]
 
@@ -82,4 +84,8 @@ def __getattr__(name: str) -> Any:
         from engine import async_llm
 
         return getattr(async_llm, name)
+    if name == "describe_setup":
+        from engine.worker.worker import describe_setup
+
+        return describe_setup
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

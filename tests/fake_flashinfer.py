@@ -1,15 +1,23 @@
 """A recording stand-in for the `flashinfer` module, for CPU tests of the FlashInfer backend.
 
-Its two wrappers accept only the parameters that FlashInfer documents and that our backend
-is meant to pass, record every call, check the documented input contract (int32 CSR
-arrays, host indptr, 1 <= last_page_len <= page_size, NHD (k_cache, v_cache) tuples) and
-compute what FlashInfer documents, in float64:
+Every call is bound to FlashInfer's real signature (tests/flashinfer_api.py: the installed
+flashinfer's, else one recorded from a release), so a keyword FlashInfer does not take, or
+a missing argument, raises TypeError as the real call would. The stand-in then checks
+what the real kernels require, computes what FlashInfer documents in float64, and records
+the call as the backend made it:
 
+- the page table is int32 (indptr, indices, last_page_len; in CUDA-graph mode also the
+  buffers given to __init__, of batch_size + 1, >= the pages, and batch_size entries), its
+  lengths agree, the indptr arrays are on the host, 1 <= last_page_len <= page_size;
+- the workspace is a zeroed uint8 buffer on the cache's device ("must be initialized to 0
+  for its first use");
+- head_dim is one the ahead-of-time kernels cover (SUPPORTED_HEAD_DIMS), and decode on
+  CUDA cores handles only the query/KV head ratios of CUDA_CORE_DECODE_GROUPS;
+- run()'s q has q_data_type and the (k_cache, v_cache) NHD pair has kv_data_type
+  (q_data_type when None), with the planned page size and head geometry;
 - pages of request r are kv_indices[kv_indptr[r]:kv_indptr[r + 1]], its KV length is
-  page_size * (pages - 1) + last_page_len[r];
-- causal=True aligns the queries to the end of the KV: query i sees keys
-  0..kv_len - q_len + i (the docstring of BatchPrefillWithPagedKVCacheWrapper shows it equal
-  to a custom mask tril(diagonal=kv_len - q_len));
+  page_size * (pages - 1) + last_page_len[r]; causal=True aligns the queries to the end of
+  the KV: query i sees keys 0..kv_len - q_len + i;
 - in use_cuda_graph mode, plan() copies the page table into the given buffers and run()
   reads the buffers.
 """
@@ -22,13 +30,25 @@ from typing import Any
 
 import torch
 
+from tests.flashinfer_api import FlashInferApi, flashinfer_api
+
+# The head sizes of FlashInfer's ahead-of-time FA2 kernels (flashinfer/aot.py, fa2_head_dim
+# in v0.6.17), which the GPU image installs because its final stage has no compiler.
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+# Query heads per KV head that decode on CUDA cores is compiled for
+# (DISPATCH_GQA_GROUP_SIZE, include/flashinfer/utils.cuh); tensor cores take any ratio.
+CUDA_CORE_DECODE_GROUPS = (1, 2, 3, 4, 8)
+PREFILL = "BatchPrefillWithPagedKVCacheWrapper"
+DECODE = "BatchDecodeWithPagedKVCacheWrapper"
+
 
 @dataclass
 class Call:
     wrapper: str  # "prefill" or "decode"
     method: str  # "init", "plan" or "run"
-    args: tuple[Any, ...]
+    args: tuple[Any, ...]  # as the backend passed them
     kwargs: dict[str, Any] = field(default_factory=dict)
+    arguments: dict[str, Any] = field(default_factory=dict)  # bound, with FlashInfer's defaults
 
 
 @dataclass
@@ -37,20 +57,49 @@ class _Plan:
     kv_indptr: torch.Tensor
     kv_indices: torch.Tensor
     last_page_len: torch.Tensor
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
     page_size: int
     causal: bool
     sm_scale: float
     q_data_type: torch.dtype
+    kv_data_type: torch.dtype
+
+
+def _int32(**tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        assert t.dtype == torch.int32, f"{name}: FlashInfer takes int32, not {t.dtype}"
 
 
 def _check_page_table(
     qo: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, last: torch.Tensor, page_size: int
 ) -> None:
+    _int32(qo_indptr=qo, kv_indptr=kv, kv_indices=idx, last_page_len=last)
     for name, t in (("qo_indptr", qo), ("kv_indptr", kv), ("last_page_len", last)):
-        assert t.dtype == torch.int32 and t.device.type == "cpu", f"{name}: host int32 expected"
-    assert idx.dtype == torch.int32
+        assert t.device.type == "cpu", f"{name}: plan() takes it on the host"
     assert len(idx) == int(kv[-1]) and len(last) == len(kv) - 1 == len(qo) - 1
     assert bool(((last >= 1) & (last <= page_size)).all())
+
+
+def _check_geometry(heads: int, kv_heads: int, head_dim: int, tensor_cores: bool) -> None:
+    assert head_dim in SUPPORTED_HEAD_DIMS, f"no FlashInfer kernels for head_dim {head_dim}"
+    assert heads % kv_heads == 0
+    if not tensor_cores:
+        group = heads // kv_heads
+        assert group in CUDA_CORE_DECODE_GROUPS, f"CUDA-core decode has no group size {group}"
+
+
+def _make_plan(
+    p: dict[str, Any], qo_indptr: torch.Tensor, table: tuple, head_dim: int, causal: bool
+) -> _Plan:
+    """The plan from plan()'s bound arguments, with FlashInfer's defaults resolved."""
+    q_type = p["q_data_type"]
+    assert isinstance(q_type, torch.dtype), "pass q_data_type as a torch.dtype"
+    kv_type = p["kv_data_type"] if p["kv_data_type"] is not None else q_type
+    scale = p["sm_scale"] if p["sm_scale"] is not None else head_dim**-0.5
+    heads = (p["num_qo_heads"], p["num_kv_heads"], head_dim, p["page_size"])
+    return _Plan(qo_indptr, *table, *heads, causal, scale, q_type, kv_type)
 
 
 def paged_attention(
@@ -59,9 +108,12 @@ def paged_attention(
     """FlashInfer's documented result, computed request by request in float64."""
     k_cache, v_cache = kv_cache
     assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, "NHD (k_cache, v_cache)"
-    assert k_cache.shape[1] == plan.page_size and q.dtype == plan.q_data_type
-    assert q.shape[0] == int(plan.qo_indptr[-1])
+    assert k_cache.dtype == v_cache.dtype == plan.kv_data_type, (k_cache.dtype, plan.kv_data_type)
+    assert q.dtype == plan.q_data_type, (q.dtype, plan.q_data_type)
     _, page_size, kv_heads, head_dim = k_cache.shape
+    assert (page_size, kv_heads, head_dim) == (plan.page_size, plan.num_kv_heads, plan.head_dim)
+    assert q.shape[1:] == (plan.num_qo_heads, plan.head_dim)
+    assert q.shape[0] == int(plan.qo_indptr[-1])
     out = torch.empty_like(q)
     for r in range(len(plan.last_page_len)):
         pages = plan.kv_indices[int(plan.kv_indptr[r]) : int(plan.kv_indptr[r + 1])].long()
@@ -80,113 +132,87 @@ def paged_attention(
     return out
 
 
-def make_fake_flashinfer() -> tuple[types.ModuleType, list[Call]]:
+def _check_workspace(workspace: torch.Tensor) -> None:
+    assert workspace.dtype == torch.uint8, "the float workspace is a uint8 buffer"
+    assert not bool(workspace.any()), "the workspace must be initialised to 0 for its first use"
+
+
+def make_fake_flashinfer(api: FlashInferApi | None = None) -> tuple[types.ModuleType, list[Call]]:
     """(a module with the two wrappers, the list every call is recorded in)."""
+    api = api or flashinfer_api()
     calls: list[Call] = []
 
+    def bind(cls: str, method: str, wrapper: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+        arguments = dict(api.bind(f"{cls}.{method}", wrapper, *args, **kwargs).arguments)
+        arguments.pop("self")
+        name = "prefill" if cls == PREFILL else "decode"
+        calls.append(
+            Call(name, "init" if method == "__init__" else method, args, kwargs, arguments)
+        )
+        return arguments
+
     class BatchPrefillWithPagedKVCacheWrapper:
-        def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD") -> None:
-            calls.append(Call("prefill", "init", (float_workspace_buffer, kv_layout)))
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            p = bind(PREFILL, "__init__", self, args, kwargs)
+            _check_workspace(p["float_workspace_buffer"])
+            assert p["kv_layout"] == "NHD" and not p["use_cuda_graph"]
             self._plan: _Plan | None = None
 
-        def plan(
-            self,
-            qo_indptr: torch.Tensor,
-            paged_kv_indptr: torch.Tensor,
-            paged_kv_indices: torch.Tensor,
-            paged_kv_last_page_len: torch.Tensor,
-            num_qo_heads: int,
-            num_kv_heads: int,
-            head_dim_qk: int,
-            page_size: int,
-            *,
-            causal: bool = False,
-            sm_scale: float | None = None,
-            q_data_type: torch.dtype | str = "float16",
-            kv_data_type: torch.dtype | None = None,
-        ) -> None:
-            table = (qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
-            args = (*table, num_qo_heads, num_kv_heads, head_dim_qk, page_size)
-            kwargs = {
-                "causal": causal,
-                "sm_scale": sm_scale,
-                "q_data_type": q_data_type,
-                "kv_data_type": kv_data_type,
-            }
-            calls.append(Call("prefill", "plan", args, kwargs))
-            _check_page_table(*table, page_size)
-            self._plan = _Plan(*table, page_size, causal, sm_scale, q_data_type)
+        def plan(self, *args: Any, **kwargs: Any) -> None:
+            p = bind(PREFILL, "plan", self, args, kwargs)
+            table = (p["paged_kv_indptr"], p["paged_kv_indices"], p["paged_kv_last_page_len"])
+            _check_page_table(p["qo_indptr"], *table, p["page_size"])
+            _check_geometry(p["num_qo_heads"], p["num_kv_heads"], p["head_dim_qk"], True)
+            self._plan = _make_plan(p, p["qo_indptr"], table, p["head_dim_qk"], p["causal"])
 
-        def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, ...]) -> torch.Tensor:
-            calls.append(Call("prefill", "run", (q, paged_kv_cache)))
+        def run(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            p = bind(PREFILL, "run", self, args, kwargs)
             assert self._plan is not None, "run before plan"
-            return paged_attention(q, paged_kv_cache, self._plan)
+            return paged_attention(p["q"], p["paged_kv_cache"], self._plan)
 
     class BatchDecodeWithPagedKVCacheWrapper:
-        def __init__(
-            self,
-            float_workspace_buffer: torch.Tensor,
-            kv_layout: str = "NHD",
-            use_cuda_graph: bool = False,
-            use_tensor_cores: bool = False,
-            paged_kv_indptr_buffer: torch.Tensor | None = None,
-            paged_kv_indices_buffer: torch.Tensor | None = None,
-            paged_kv_last_page_len_buffer: torch.Tensor | None = None,
-        ) -> None:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            p = bind(DECODE, "__init__", self, args, kwargs)
+            _check_workspace(p["float_workspace_buffer"])
+            assert p["kv_layout"] == "NHD"
+            self.graph, self.tensor_cores = p["use_cuda_graph"], p["use_tensor_cores"]
             self.buffers = (
-                paged_kv_indptr_buffer,
-                paged_kv_indices_buffer,
-                paged_kv_last_page_len_buffer,
+                p["paged_kv_indptr_buffer"],
+                p["paged_kv_indices_buffer"],
+                p["paged_kv_last_page_len_buffer"],
             )
-            kwargs = {"use_cuda_graph": use_cuda_graph, "use_tensor_cores": use_tensor_cores}
-            calls.append(Call("decode", "init", (float_workspace_buffer, kv_layout), kwargs))
-            self.graph = use_cuda_graph
+            if self.graph:
+                indptr, indices, last = self.buffers
+                assert indptr is not None and indices is not None and last is not None
+                _int32(indptr_buffer=indptr, indices_buffer=indices, last_page_len_buffer=last)
+                assert len(indptr) == len(last) + 1, "indptr buffer: batch_size + 1 entries"
             self._plan: _Plan | None = None
 
-        def plan(
-            self,
-            indptr: torch.Tensor,
-            indices: torch.Tensor,
-            last_page_len: torch.Tensor,
-            num_qo_heads: int,
-            num_kv_heads: int,
-            head_dim: int,
-            page_size: int,
-            *,
-            q_data_type: torch.dtype | str = "float16",
-            kv_data_type: torch.dtype | None = None,
-            sm_scale: float | None = None,
-        ) -> None:
-            args = (indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size)
-            kwargs = {
-                "q_data_type": q_data_type,
-                "kv_data_type": kv_data_type,
-                "sm_scale": sm_scale,
-            }
-            calls.append(Call("decode", "plan", args, kwargs))
-            qo_indptr = torch.arange(len(indptr), dtype=torch.int32)
-            _check_page_table(qo_indptr, indptr, indices, last_page_len, page_size)
+        def plan(self, *args: Any, **kwargs: Any) -> None:
+            p = bind(DECODE, "plan", self, args, kwargs)
+            table = (p["indptr"], p["indices"], p["last_page_len"])
+            qo_indptr = torch.arange(len(p["indptr"]), dtype=torch.int32)
+            _check_page_table(qo_indptr, *table, p["page_size"])
+            _check_geometry(p["num_qo_heads"], p["num_kv_heads"], p["head_dim"], self.tensor_cores)
             if self.graph:  # FlashInfer copies into the fixed buffers; run reads those
-                indptr, indices, last_page_len = self._copy_to_buffers(
-                    indptr, indices, last_page_len
-                )
-            table = (qo_indptr, indptr, indices, last_page_len)
-            self._plan = _Plan(*table, page_size, False, sm_scale, q_data_type)
+                table = self._copy_to_buffers(*table)
+            self._plan = _make_plan(p, qo_indptr, table, p["head_dim"], causal=False)
 
         def _copy_to_buffers(self, *table: torch.Tensor) -> tuple[torch.Tensor, ...]:
             indptr_buf, indices_buf, last_buf = self.buffers
             assert indptr_buf is not None and indices_buf is not None and last_buf is not None
             indptr, indices, last_page_len = table
             assert len(last_page_len) == len(last_buf), "the graph's batch size is fixed"
+            assert len(indices) <= len(indices_buf), "more pages than the indices buffer holds"
             indptr_buf.copy_(indptr)
             indices_buf[: len(indices)].copy_(indices)
             last_buf.copy_(last_page_len)
             return indptr_buf.cpu(), indices_buf, last_buf.cpu()
 
-        def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, ...]) -> torch.Tensor:
-            calls.append(Call("decode", "run", (q, paged_kv_cache)))
+        def run(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            p = bind(DECODE, "run", self, args, kwargs)
             assert self._plan is not None, "run before plan"
-            return paged_attention(q, paged_kv_cache, self._plan)
+            return paged_attention(p["q"], p["paged_kv_cache"], self._plan)
 
     module = types.ModuleType("flashinfer")
     module.BatchPrefillWithPagedKVCacheWrapper = BatchPrefillWithPagedKVCacheWrapper

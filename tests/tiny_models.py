@@ -70,12 +70,15 @@ def make_config(kind: str):
     raise ValueError(kind)
 
 
-def make_tiny_model(kind: str, path: Path, seed: int = 0) -> Path:
-    """Saves a random-weight model of `kind` (llama, llama3-rope, qwen2, qwen3) to `path`."""
+def make_tiny_model(kind: str, path: Path, seed: int = 0, **overrides: object) -> Path:
+    """Saves a random-weight model of `kind` (llama, llama3-rope, qwen2, qwen3) to `path`;
+    `overrides` change its config (e.g. hidden_size=256, head_dim=64)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(make_config(kind), dtype=torch.float32)
+    config = make_config(kind)
+    config.update(overrides)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(path)
     save_word_tokenizer(path)
     return path

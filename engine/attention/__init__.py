@@ -2,7 +2,7 @@
 
     backend      device  what it is
     torch        any     the reference: block gathers + batched matmuls (tested vs dense)
-    cpu-native   CPU     C++ kernels that read the paged cache in place (JIT-built once)
+    cpu-native   CPU     C++ kernels that read the paged cache in place (built at install)
     flashinfer   CUDA    FlashInfer's paged prefill/decode wrappers
 
 `auto` picks flashinfer on CUDA and cpu-native on CPU when they can run, else torch.
@@ -12,45 +12,48 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.backend import AttentionBackend
+from engine.attention.backend import AttentionBackend, BackendChoice
 from engine.attention.flashinfer_backend import FlashInferAttentionBackend, select_gpu_backend
 from engine.attention.native_backend import NativeCpuAttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.ops.build import native_kernels_available
+from engine.ops.loader import native_kernels
 
 BACKENDS = ("auto", "torch", "cpu-native", "flashinfer")
 
 
-def resolve_backend_name(
+def resolve_backend(
     name: str, device: torch.device | str, dtype: torch.dtype | None = None
-) -> str:
-    """The concrete backend for `name` on `device`; raises ValueError when unavailable.
-
-    May import flashinfer or compile the native CPU kernels (once per machine; cached).
-    """
+) -> BackendChoice:
+    """The concrete backend for `name` on `device` and why; raises ValueError when `name`
+    cannot run there (with the reason). May import flashinfer or load the native kernels."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {BACKENDS}")
     on_cpu = torch.device(device).type == "cpu"
     if name == "flashinfer" or (name == "auto" and not on_cpu):
         return select_gpu_backend(name, device, dtype)
+    if name == "cpu-native" and not on_cpu:
+        raise ValueError("attention backend 'cpu-native' runs only on the CPU")
+    if name == "torch":
+        return BackendChoice(name, "requested")
+    kernels = native_kernels()
     if name == "auto":
-        return "cpu-native" if native_kernels_available() else "torch"
-    if name == "cpu-native":
-        if not on_cpu:
-            raise ValueError("attention backend 'cpu-native' runs only on the CPU")
-        if not native_kernels_available():
-            raise ValueError(
-                "attention backend 'cpu-native' is unavailable: its C++ kernels could not be "
-                "built (needs a C++ compiler and `pip install ninja`; see the warning above); "
-                "use --attention-backend torch"
-            )
-    return name
+        if kernels.available:
+            return BackendChoice("cpu-native", "auto: the native CPU kernels load")
+        return BackendChoice(
+            "torch", f"auto: the native CPU kernels are unavailable: {kernels.reason}"
+        )
+    if not kernels.available:
+        raise ValueError(
+            f"attention backend 'cpu-native' is unavailable: {kernels.reason}; "
+            "or use --attention-backend torch"
+        )
+    return BackendChoice(name, "requested")
 
 
 def create_backend(
     name: str, kv_cache: torch.Tensor, num_heads: int, scale: float
 ) -> AttentionBackend:
-    resolved = resolve_backend_name(name, kv_cache.device, kv_cache.dtype)
+    resolved = resolve_backend(name, kv_cache.device, kv_cache.dtype).name
     if resolved == "flashinfer":
         return FlashInferAttentionBackend(kv_cache, num_heads, scale)
     if resolved == "cpu-native":

@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from engine.attention.metadata import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    """The concrete backend an --attention-backend setting means on a device, and why."""
+
+    name: str  # "torch", "cpu-native" or "flashinfer"
+    reason: str
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.reason})"
 
 
 class AttentionBackend(Protocol):

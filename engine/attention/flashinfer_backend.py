@@ -25,13 +25,20 @@ from typing import Any
 
 import torch
 
-from engine.attention.backend import write_kv
+from engine.attention.backend import BackendChoice, write_kv
 from engine.attention.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
 # FlashInfer's documented recommendation for the float workspace (split-KV partial results).
 WORKSPACE_BYTES = 128 << 20
+
+
+def new_workspace(device: torch.device) -> torch.Tensor:
+    """FlashInfer's float workspace: zeroed, as its documentation requires for first use."""
+    return torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -54,23 +61,26 @@ def flashinfer_available(
     return True, ""
 
 
-def select_gpu_backend(name: str, device: torch.device | str, dtype: torch.dtype | None) -> str:
+def select_gpu_backend(
+    name: str, device: torch.device | str, dtype: torch.dtype | None
+) -> BackendChoice:
     """The backend `name` means on a GPU `device`: "auto" is "flashinfer" where it can run,
-    else "torch" (with a warning saying why); other names are returned as they are. Raises
-    ValueError for "flashinfer" where it cannot run (on any device), with the reason."""
+    else "torch" (with a warning saying why); other names are kept. Raises ValueError for
+    "flashinfer" where it cannot run (on any device), with the reason."""
     if name not in ("auto", "flashinfer"):
-        return name
+        return BackendChoice(name, "requested")
     ok, reason = flashinfer_available(device, dtype)
-    if name == "auto":
-        if not ok:
-            logger.warning("FlashInfer is unavailable (%s); using the torch backend", reason)
-        return "flashinfer" if ok else "torch"
     if name == "flashinfer" and not ok:
         raise ValueError(
             f"attention backend 'flashinfer' is unavailable: {reason}; "
             "use --attention-backend torch"
         )
-    return name
+    if name == "flashinfer":
+        return BackendChoice(name, "requested")
+    if not ok:
+        logger.warning("FlashInfer is unavailable (%s); using the torch backend", reason)
+        return BackendChoice("torch", f"auto: FlashInfer is unavailable: {reason}")
+    return BackendChoice("flashinfer", "auto: FlashInfer runs here")
 
 
 def use_tensor_cores(num_heads: int, num_kv_heads: int) -> bool:
@@ -140,7 +150,7 @@ class FlashInferAttentionBackend(_PagedAttention):
 
     `flashinfer` is the module to call (tests pass a recording stand-in); None imports the real
     one. `workspace` is FlashInfer's float scratch buffer, which wrappers running one after
-    another on the same stream may share; None allocates WORKSPACE_BYTES on the cache's device.
+    another on the same stream may share; None allocates a new_workspace on the cache's device.
     """
 
     def __init__(
@@ -153,7 +163,7 @@ class FlashInferAttentionBackend(_PagedAttention):
     ) -> None:
         super().__init__(kv_cache, num_heads, scale, flashinfer)
         if workspace is None:
-            workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=kv_cache.device)
+            workspace = new_workspace(kv_cache.device)
         self.workspace = workspace
         self._prefill = self.fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
         self._decode = self.fi.BatchDecodeWithPagedKVCacheWrapper(

@@ -1,6 +1,6 @@
 """The native CPU backend: a C++ paged-attention kernel that reads the paged cache in place.
 
-The kernel comes from engine.ops (see engine/ops/build.py). Unlike the torch backend,
+The kernel comes from engine.ops (see engine/ops/loader.py). Unlike the torch backend,
 nothing is gathered into padded tensors: each K/V row is read once per (request, KV head)
 and used for every query head of the group.
 """
@@ -11,7 +11,7 @@ import torch
 
 from engine.attention.backend import write_kv
 from engine.attention.metadata import AttentionMetadata
-from engine.ops.build import native_kernels_available
+from engine.ops.loader import native_kernels
 
 
 class NativeCpuAttentionBackend:
@@ -20,8 +20,11 @@ class NativeCpuAttentionBackend:
     def __init__(self, kv_cache: torch.Tensor, num_heads: int, scale: float) -> None:
         if kv_cache.device.type != "cpu":
             raise ValueError("the cpu-native attention backend needs the KV cache on the CPU")
-        if not native_kernels_available():
-            raise RuntimeError("the native CPU attention kernels could not be built")
+        kernels = native_kernels()
+        if not kernels.available:
+            raise RuntimeError(
+                f"the native CPU attention kernels are unavailable: {kernels.reason}"
+            )
         self.kv_cache = kv_cache  # (layers, 2, blocks, block_size, kv_heads, head_dim)
         _, _, _, _, self.num_kv_heads, self.head_dim = kv_cache.shape
         self.num_heads = num_heads

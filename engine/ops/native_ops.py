@@ -4,7 +4,7 @@ Each op replaces a chain of small torch ops (one kernel launch and one temporary
 per op) with a single pass. The kernels round every intermediate that torch would store
 in the model dtype, so in float32 and bfloat16 they match the torch code in layers.py up
 to float32 summation order (RMSNorm) and exp's last bit (SiLU). They run when the native
-CPU kernels are built (see engine.ops.build) and the tensors are CPU
+CPU kernels load (see engine.ops.loader) and the tensors are CPU
 float32/bfloat16/float16; otherwise the torch reference runs.
 
 The references are the plain torch definitions: layers.RMSNorm and the decoder call
@@ -16,13 +16,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.ops.build import native_kernels_available
+from engine.ops.loader import native_kernels
 
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _native(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype in _NATIVE_DTYPES and native_kernels_available()
+    return x.device.type == "cpu" and x.dtype in _NATIVE_DTYPES and native_kernels().available
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -106,7 +106,7 @@ def quant_linear(x: torch.Tensor, weight: QuantArgs) -> torch.Tensor | None:
     (not CPU float32/bfloat16, or no native kernels)."""
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
         return None
-    if not native_kernels_available():
+    if not native_kernels().available:
         return None
     return torch.ops.pagedserve.quant_linear(x, *weight)
 
@@ -115,6 +115,6 @@ def quant_dequantize(
     weight: QuantArgs, rows: torch.Tensor | None, dtype: torch.dtype
 ) -> torch.Tensor | None:
     """The (selected rows of the) dequantized weight in `dtype`, or None without the kernels."""
-    if weight[0].device.type != "cpu" or not native_kernels_available():
+    if weight[0].device.type != "cpu" or not native_kernels().available:
         return None
     return torch.ops.pagedserve.quant_dequantize(*weight, rows, dtype)

@@ -25,7 +25,7 @@ from types import ModuleType
 
 import torch
 
-from engine.attention.flashinfer_backend import WORKSPACE_BYTES, CudaGraphDecodeAttention
+from engine.attention.flashinfer_backend import CudaGraphDecodeAttention, new_workspace
 from engine.attention.metadata import AttentionMetadata, build_attention_metadata
 from engine.models.llama import DecoderModel
 from engine.utils import cdiv
@@ -112,7 +112,7 @@ class CudaGraphRunner:
         self.scratch_block = int(kv_cache.shape[2]) - 1
         self.device = kv_cache.device
         if workspace is None:
-            workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+            workspace = new_workspace(self.device)
         self._workspace = workspace
         sizes = graph_buffer_sizes(self.sizes, config.max_model_len, self.block_size)
         with torch.inference_mode():

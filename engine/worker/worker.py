@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from engine.attention import resolve_backend_name
+from engine.attention import resolve_backend
 from engine.attention.backend import kv_cache_bytes_per_block
 from engine.config import (
     CacheConfig,
@@ -18,10 +18,13 @@ from engine.config import (
     EngineArgs,
     ModelConfig,
     SchedulerConfig,
+    resolve_model_config,
     resolve_quant_config,
+    runtime_facts,
 )
 from engine.models.arch import ModelArch
 from engine.models.loader import load_model
+from engine.ops.loader import native_kernels
 from engine.utils import cdiv
 from engine.worker.cuda_graphs import CudaGraphConfig, capture_sizes
 from engine.worker.memory_profiler import MemoryProfile, profile_gpu_memory
@@ -76,20 +79,45 @@ def available_cpus() -> int:
 
 
 def resolve_device_config(args: EngineArgs) -> DeviceConfig:
-    """Device, dtype, attention backend and threads (may build the native CPU kernels)."""
+    """Device, dtype, attention backend, native kernels and threads: what runs here. Loads
+    the native CPU kernels (on CPU) and may import flashinfer (on CUDA); raises ValueError
+    for settings this machine cannot run."""
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    backend = resolve_backend_name(args.attention_backend, device, dtype)
-    sizes: tuple[int, ...] = ()
-    if device.type == "cuda" and not args.enforce_eager:
-        if backend == "flashinfer":
-            sizes = capture_sizes(args.max_num_seqs)
-        else:
-            logger.info("CUDA graphs need the flashinfer attention backend; decoding eagerly")
-    dtype_name = str(dtype).removeprefix("torch.")
+    backend = resolve_backend(args.attention_backend, device, dtype)
+    sizes, graphs_off = cuda_graph_plan(args, device, backend.name)
     return DeviceConfig(
-        str(device), dtype_name, backend, args.num_threads or available_cpus(), sizes
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        attention_backend=backend.name,
+        attention_reason=backend.reason,
+        native_kernels=native_kernels().describe() if device.type == "cpu" else "",
+        num_threads=args.num_threads or available_cpus(),
+        cuda_graph_sizes=sizes,
+        cuda_graphs_off=graphs_off,
     )
+
+
+def cuda_graph_plan(
+    args: EngineArgs, device: torch.device, backend: str
+) -> tuple[tuple[int, ...], str]:
+    """(the decode batch sizes to capture, why none) on CUDA; ((), "") elsewhere."""
+    if device.type != "cuda":
+        return (), ""
+    if args.enforce_eager:
+        return (), "off (--enforce-eager)"
+    if backend != "flashinfer":
+        logger.info("CUDA graphs need the flashinfer attention backend; decoding eagerly")
+        return (), "off (they need the flashinfer attention backend)"
+    return capture_sizes(args.max_num_seqs), ""
+
+
+def describe_setup(args: EngineArgs) -> list[tuple[str, str]]:
+    """What an engine made from `args` would run on this machine (config.runtime_facts),
+    without loading the weights. Raises ValueError for a setting that cannot run here."""
+    device = resolve_device_config(args)
+    quant = resolve_quant_config(args, resolve_model_config(args), device.device_type)
+    return runtime_facts(device, quant)
 
 
 class Worker:

@@ -11,7 +11,7 @@
 
 #include "attention_common.h"
 
-namespace pagedserve::avx512 {
+namespace pagedserve::PAGEDSERVE_ISA::avx512 {
 
 #ifdef __AVX512BF16__
 constexpr bool kHaveBf16Dot = true;
@@ -403,4 +403,4 @@ void attention_item(const Problem<T>& pb, const WorkItem& it, Scratch& s) {
   AttentionItem<T, DV>(pb, it, s).run();
 }
 
-}  // namespace pagedserve::avx512
+}  // namespace pagedserve::PAGEDSERVE_ISA::avx512

@@ -1,4 +1,5 @@
-// The portable paged-attention item kernel, for every CPU without the AVX-512 path.
+// The portable paged-attention item kernel: the whole kernel of the portable instruction
+// set, and the AVX-512 sets' kernel for head sizes they have no instantiation for.
 //
 // It computes in GCC/Clang generic vectors of the target's native SIMD width (AVX: 8
 // floats; SSE, NEON and others: 4), so the compiler maps each vector operation onto one
@@ -12,7 +13,7 @@
 
 #include "attention_common.h"
 
-namespace pagedserve::portable {
+namespace pagedserve::PAGEDSERVE_ISA::portable {
 
 #if defined(__AVX__)
 constexpr int kWidth = 8;
@@ -165,4 +166,4 @@ void attention_item(const Problem<T>& pb, const WorkItem& it, Scratch& s) {
   }
 }
 
-}  // namespace pagedserve::portable
+}  // namespace pagedserve::PAGEDSERVE_ISA::portable

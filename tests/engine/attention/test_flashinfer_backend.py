@@ -1,7 +1,8 @@
 """The FlashInfer backend on CPU: backend selection, and its contract with FlashInfer.
 
 A recording stand-in for `flashinfer` (tests/fake_flashinfer.py) is injected through the
-backend's constructor. For steps built by the real Scheduler, InputBatch and metadata
+backend's constructor; it binds every call to FlashInfer's real signatures and checks what
+the real kernels require. For steps built by the real Scheduler, InputBatch and metadata
 builder, the test checks that plan() receives exactly the metadata the torch backend
 consumed, that run() receives the right tensors, and that FlashInfer's documented
 semantics applied to those arguments give the torch backend's output.
@@ -9,6 +10,8 @@ semantics applied to those arguments give the torch backend's output.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import sys
 import types
 
@@ -34,8 +37,9 @@ from engine.scheduler import ModelRunnerOutput, Scheduler
 from engine.worker.cuda_graphs import pad_decode_batch
 from engine.worker.input_batch import InputBatch
 from tests.fake_flashinfer import Call, make_fake_flashinfer
+from tests.flashinfer_api import FlashInferApi, flashinfer_api, installed_api
 
-HEADS, KV_HEADS, HEAD_DIM, LAYERS, BLOCK, NUM_BLOCKS = 4, 2, 16, 2, 16, 48
+HEADS, KV_HEADS, HEAD_DIM, LAYERS, BLOCK, NUM_BLOCKS = 4, 2, 64, 2, 16, 48
 DTYPE = torch.bfloat16
 SCALE = HEAD_DIM**-0.5
 
@@ -48,7 +52,9 @@ def cuda_present(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_selection_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert flashinfer_available() == (False, "CUDA is not available")
-    assert select_gpu_backend("auto", "cuda", DTYPE) == "torch"
+    fallback = select_gpu_backend("auto", "cuda", DTYPE)
+    assert fallback.name == "torch"
+    assert fallback.reason == "auto: FlashInfer is unavailable: CUDA is not available"
     with pytest.raises(ValueError, match="'flashinfer' is unavailable: CUDA is not available"):
         select_gpu_backend("flashinfer", "cuda", DTYPE)
 
@@ -59,7 +65,7 @@ def test_selection_when_flashinfer_does_not_import(
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # makes `import flashinfer` fail
     ok, reason = flashinfer_available("cuda", DTYPE)
     assert not ok and "import flashinfer" in reason and ".[gpu]" in reason
-    assert select_gpu_backend("auto", "cuda", DTYPE) == "torch"
+    assert select_gpu_backend("auto", "cuda", DTYPE).name == "torch"
     with pytest.raises(ValueError, match="import flashinfer"):
         select_gpu_backend("flashinfer", "cuda", DTYPE)
 
@@ -69,11 +75,11 @@ def test_selection_when_flashinfer_imports(
 ) -> None:
     monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
     assert flashinfer_available("cuda", DTYPE) == (True, "")
-    assert select_gpu_backend("auto", "cuda", DTYPE) == "flashinfer"
-    assert select_gpu_backend("flashinfer", "cuda:0", torch.float16) == "flashinfer"
-    assert select_gpu_backend("torch", "cuda", DTYPE) == "torch"
+    assert select_gpu_backend("auto", "cuda", DTYPE).name == "flashinfer"
+    assert select_gpu_backend("flashinfer", "cuda:0", torch.float16).name == "flashinfer"
+    assert select_gpu_backend("torch", "cuda", DTYPE).name == "torch"
     # FlashInfer has no float32 kernels, and runs only on CUDA devices.
-    assert select_gpu_backend("auto", "cuda", torch.float32) == "torch"
+    assert select_gpu_backend("auto", "cuda", torch.float32).name == "torch"
     with pytest.raises(ValueError, match="float16 and bfloat16"):
         select_gpu_backend("flashinfer", "cuda", torch.float32)
     with pytest.raises(ValueError, match="only on CUDA devices"):
@@ -174,13 +180,15 @@ def test_flashinfer_contract_matches_the_torch_backend() -> None:
     fi_cache, torch_cache = new_cache(), new_cache()
     backend = FlashInferAttentionBackend(fi_cache, HEADS, SCALE, flashinfer=fake)
     reference = TorchAttentionBackend(torch_cache, HEADS, SCALE)
-    workspace = calls[0].args[0]
+    workspace = calls[0].arguments["float_workspace_buffer"]
     assert workspace.dtype == torch.uint8 and workspace.numel() == 128 << 20
-    assert [(c.wrapper, c.args[1:], c.kwargs) for c in calls] == [
-        ("prefill", ("NHD",), {}),
-        ("decode", ("NHD",), {"use_cuda_graph": False, "use_tensor_cores": False}),
+    assert [(c.wrapper, c.method, c.arguments["kv_layout"]) for c in calls] == [
+        ("prefill", "init", "NHD"),
+        ("decode", "init", "NHD"),
     ]
-    assert calls[1].args[0] is workspace  # one workspace for both wrappers
+    assert not calls[0].arguments["use_cuda_graph"] and not calls[1].arguments["use_cuda_graph"]
+    assert not calls[1].arguments["use_tensor_cores"]  # 2 query heads per KV head
+    assert calls[1].arguments["float_workspace_buffer"] is workspace  # one for both wrappers
     torch.manual_seed(0)
     for step, md in enumerate(scheduled_steps()):
         calls.clear()
@@ -215,13 +223,15 @@ def test_graph_decode_attention_pads_into_the_scratch_block() -> None:
     torch_cache.copy_(graph_cache)
     indptr, indices = torch.zeros(size + 1, dtype=torch.int32), torch.zeros(64, dtype=torch.int32)
     last, slots = torch.zeros(size, dtype=torch.int32), torch.zeros(size, dtype=torch.long)
-    workspace = torch.empty(16, dtype=torch.uint8)
+    workspace = torch.zeros(16, dtype=torch.uint8)
     attention = CudaGraphDecodeAttention(
         graph_cache, HEADS, SCALE, (indptr, indices, last, slots), workspace, flashinfer=fake
     )
-    init = calls[0]
-    assert init.kwargs == {"use_cuda_graph": True, "use_tensor_cores": False}
-    assert init.args == (workspace, "NHD")
+    init = calls[0].arguments
+    assert init["use_cuda_graph"] and not init["use_tensor_cores"]
+    assert init["float_workspace_buffer"] is workspace and init["kv_layout"] == "NHD"
+    assert init["paged_kv_indptr_buffer"] is indptr and init["paged_kv_indices_buffer"] is indices
+    assert init["paged_kv_last_page_len_buffer"] is last
     computed, tables = [20, 33, 5], [[3, 9], [4, 0, 7], [11]]
     md = build_attention_metadata(computed, [1, 1, 1], tables, BLOCK)
     padded = build_attention_metadata(*pad_decode_batch(computed, tables, size, scratch), BLOCK)
@@ -240,3 +250,125 @@ def test_graph_decode_attention_pads_into_the_scratch_block() -> None:
     assert not torch.equal(graph_cache[0, :, scratch], torch_cache[0, :, scratch])
     with pytest.raises(ValueError, match="graph of batch size 8"):
         attention.plan(md)
+
+
+def run_every_kind_of_call(fake: types.ModuleType, kv_heads: int = KV_HEADS) -> None:
+    """The eager backend through the scheduled steps (prefill and decode wrappers), and a
+    CUDA-graph decode step: every FlashInfer call the backend makes."""
+    cache = allocate_kv_cache(LAYERS, NUM_BLOCKS, BLOCK, kv_heads, HEAD_DIM, DTYPE, "cpu")
+    backend = FlashInferAttentionBackend(cache, HEADS, SCALE, flashinfer=fake)
+    for md in scheduled_steps():
+        backend.plan(md)
+        q = torch.randn(md.num_tokens, HEADS, HEAD_DIM, dtype=DTYPE)
+        k, v = torch.randn(2, md.num_tokens, kv_heads, HEAD_DIM, dtype=DTYPE)
+        backend.forward(0, q, k, v)
+    size, int32 = 4, torch.int32
+    buffers = (torch.zeros(size + 1, dtype=int32), torch.zeros(64, dtype=int32),
+               torch.zeros(size, dtype=int32), torch.zeros(size, dtype=torch.long))  # fmt: skip
+    graph = CudaGraphDecodeAttention(cache, HEADS, SCALE, buffers, backend.workspace, fake)
+    padded = pad_decode_batch([20, 33], [[3, 9], [4, 0, 7]], size, NUM_BLOCKS - 1)
+    graph.plan(build_attention_metadata(*padded, BLOCK))
+    q = torch.randn(size, HEADS, HEAD_DIM, dtype=DTYPE)
+    k, v = torch.randn(2, size, kv_heads, HEAD_DIM, dtype=DTYPE)
+    graph.forward(0, q, k, v)
+
+
+def test_every_call_binds_to_flashinfers_real_signatures() -> None:
+    """Against the installed flashinfer where it imports, else the recorded release."""
+    api = flashinfer_api()
+    print(f"FlashInfer signatures: {api.source}")
+    assert api.source.startswith("installed") == (installed_api() is not None)
+    for method, signature in api.signatures.items():  # else any keyword would bind
+        kinds = [p.kind for p in signature.parameters.values()]
+        assert inspect.Parameter.VAR_KEYWORD not in kinds, method
+    fake, calls = make_fake_flashinfer(api)
+    run_every_kind_of_call(fake)
+    assert {(c.wrapper, c.method) for c in calls} == {
+        (wrapper, method) for wrapper in ("prefill", "decode") for method in ("init", "plan", "run")
+    }
+    classes = {"prefill": "BatchPrefillWithPagedKVCacheWrapper",
+               "decode": "BatchDecodeWithPagedKVCacheWrapper"}  # fmt: skip
+    for call in calls:
+        method = "__init__" if call.method == "init" else call.method
+        api.bind(f"{classes[call.wrapper]}.{method}", object(), *call.args, **call.kwargs)
+
+
+def test_a_drifted_signature_fails_the_binding() -> None:
+    """A keyword FlashInfer renamed (here: use_tensor_cores dropped from decode __init__)
+    makes the backend's call raise, as it would against that FlashInfer."""
+    api = flashinfer_api()
+    init = api.signatures["BatchDecodeWithPagedKVCacheWrapper.__init__"]
+    kept = [p for p in init.parameters.values() if p.name != "use_tensor_cores"]
+    drifted = FlashInferApi("drifted", api.signatures | {
+        "BatchDecodeWithPagedKVCacheWrapper.__init__": init.replace(parameters=kept)
+    })  # fmt: skip
+    fake, _ = make_fake_flashinfer(drifted)
+    with pytest.raises(TypeError, match="use_tensor_cores"):
+        FlashInferAttentionBackend(new_cache(), HEADS, SCALE, flashinfer=fake)
+
+
+def test_int64_page_tables_are_refused() -> None:
+    fake, _ = make_fake_flashinfer()
+    backend = FlashInferAttentionBackend(new_cache(), HEADS, SCALE, flashinfer=fake)
+    md = scheduled_steps()[0]
+    wide = dataclasses.replace(md, kv_indices=md.kv_indices.long())
+    with pytest.raises(
+        AssertionError, match=r"kv_indices: FlashInfer takes int32, not torch\.int64"
+    ):
+        backend.plan(wide)
+    buffers = (torch.zeros(5, dtype=torch.int64), torch.zeros(64, dtype=torch.int32),
+               torch.zeros(4, dtype=torch.int32), torch.zeros(4, dtype=torch.long))  # fmt: skip
+    with pytest.raises(AssertionError, match="indptr_buffer: FlashInfer takes int32"):
+        CudaGraphDecodeAttention(new_cache(), HEADS, SCALE, buffers, backend.workspace, fake)
+
+
+def test_head_sizes_and_decode_ratios_flashinfer_lacks_are_refused() -> None:
+    fake, _ = make_fake_flashinfer()
+    small = allocate_kv_cache(LAYERS, NUM_BLOCKS, BLOCK, KV_HEADS, 16, DTYPE, "cpu")
+    with pytest.raises(AssertionError, match="no FlashInfer kernels for head_dim 16"):
+        FlashInferAttentionBackend(small, HEADS, 0.25, flashinfer=fake).plan(scheduled_steps()[0])
+    # 6 query heads per KV head: CUDA-core decode has no such kernel, tensor cores do.
+    decode = fake.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(16, dtype=torch.uint8))
+    md = scheduled_steps()[3]
+    _, kv_indptr, last = host_page_table(md)
+    with pytest.raises(AssertionError, match="CUDA-core decode has no group size 6"):
+        decode.plan(kv_indptr, md.kv_indices, last, 12, 2, HEAD_DIM, BLOCK, q_data_type=DTYPE)
+    fake, calls = make_fake_flashinfer()
+    cache = allocate_kv_cache(LAYERS, NUM_BLOCKS, BLOCK, 2, HEAD_DIM, DTYPE, "cpu")
+    backend = FlashInferAttentionBackend(cache, 12, SCALE, flashinfer=fake)
+    assert calls[1].arguments["use_tensor_cores"]
+    backend.plan(md)
+    q = torch.randn(md.num_tokens, 12, HEAD_DIM, dtype=DTYPE)
+    k, v = torch.randn(2, md.num_tokens, 2, HEAD_DIM, dtype=DTYPE)
+    assert backend.forward(0, q, k, v).shape == q.shape
+
+
+def test_the_cache_dtype_must_be_the_planned_kv_data_type() -> None:
+    fake, _ = make_fake_flashinfer()
+    md = scheduled_steps()[0]
+    wrapper = fake.BatchPrefillWithPagedKVCacheWrapper(torch.zeros(16, dtype=torch.uint8))
+    qo, kv, last = host_page_table(md)
+    wrapper.plan(qo, kv, md.kv_indices, last, HEADS, KV_HEADS, HEAD_DIM, BLOCK, causal=True,
+                 q_data_type=DTYPE, kv_data_type=torch.float16)  # fmt: skip
+    cache = new_cache()
+    q = torch.randn(md.num_tokens, HEADS, HEAD_DIM, dtype=DTYPE)
+    with pytest.raises(AssertionError, match="bfloat16"):
+        wrapper.run(q, (cache[0, 0], cache[0, 1]))
+
+
+def test_the_workspace_is_zeroed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FlashInfer requires a zeroed workspace; torch.empty gives whatever memory held, so
+    here it gives garbage on purpose."""
+    fake, _ = make_fake_flashinfer()
+    real_empty = torch.empty
+
+    def garbage(*args: object, **kwargs: object) -> torch.Tensor:
+        return real_empty(*args, **kwargs).fill_(0xAB)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch, "empty", garbage)
+    backend = FlashInferAttentionBackend(new_cache(), HEADS, SCALE, flashinfer=fake)
+    assert not bool(backend.workspace.any())
+    with pytest.raises(AssertionError, match="initialised to 0"):
+        FlashInferAttentionBackend(
+            new_cache(), HEADS, SCALE, fake, torch.empty(16, dtype=torch.uint8)
+        )

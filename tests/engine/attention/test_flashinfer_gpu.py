@@ -1,5 +1,9 @@
 """FlashInfer on a real GPU: kernels against the torch backend, greedy decoding against
-transformers, and CUDA-graph decode against eager decode. Skipped without CUDA + FlashInfer.
+transformers, CUDA-graph decode against eager decode (on CUDA cores and, above 4 query
+heads per KV head, on tensor cores), and every sampling feature on CUDA logits.
+
+Skipped without CUDA. With CUDA, FlashInfer must import: if it does not, every test here
+fails (a GPU machine that silently skips its GPU tests checks nothing).
 
 FlashInfer has no float32 kernels, so the engine runs float16 here (10 mantissa bits
 against bfloat16's 7, for the tightest comparison FlashInfer allows) while transformers,
@@ -22,15 +26,22 @@ from engine.attention.metadata import build_attention_metadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.utils import cdiv
 from engine.worker.cuda_graphs import pad_decode_batch
+from engine.worker.sampler import Sampler, SamplingRow
 from tests.engine.attention.test_torch_backend import dense_reference
 from tests.engine.test_correctness import LENGTHS, make_prompts
-from tests.tiny_models import make_config, save_word_tokenizer
+from tests.tiny_models import make_tiny_model
 
-AVAILABLE, REASON = flashinfer_available()
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not AVAILABLE, reason=f"needs a CUDA GPU with FlashInfer: {REASON}"),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _flashinfer_runs() -> None:
+    available, reason = flashinfer_available()
+    assert available, f"CUDA is present but FlashInfer cannot run: {reason}"
+
 
 CASES = {
     "prefill": [(0, 9), (0, 70), (0, 1)],
@@ -95,16 +106,17 @@ def test_flashinfer_matches_torch_backend(
     assert fi_err < 2e-2 and between < 3e-2  # bf16 output: a few ulps of values up to ~4
 
 
-def make_gpu_model(kind: str, path: Path) -> Path:
-    """tests/tiny_models' model with head_dim 64, a size FlashInfer compiles kernels for."""
-    from transformers import AutoModelForCausalLM
-
-    config = make_config(kind)
-    config.update({"hidden_size": 256, "intermediate_size": 512, "head_dim": 64})
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
-    save_word_tokenizer(path)
-    return path
+def make_gpu_model(kind: str, path: Path, heads: int = 4, kv_heads: int = 2) -> Path:
+    """tests/tiny_models' model with head_dim 64, a size FlashInfer has kernels for."""
+    return make_tiny_model(
+        kind,
+        path,
+        hidden_size=64 * heads,
+        intermediate_size=128 * heads,
+        head_dim=64,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+    )
 
 
 def hf_greedy_with_margins(
@@ -185,14 +197,34 @@ def test_greedy_matches_transformers(gpu_model, mode: str) -> None:
     assert_greedy_matches(ours, reference, margins)
 
 
-def test_cuda_graph_decode_matches_eager(tmp_path: Path) -> None:
+def test_tensor_core_decode_with_cuda_graphs_matches_transformers(tmp_path: Path) -> None:
+    """6 query heads per KV head: decode runs on tensor cores (CUDA-core decode has no
+    kernel for that ratio), captured in CUDA graphs; greedy tokens against transformers."""
+    path = make_gpu_model("llama", tmp_path, heads=12, kv_heads=2)
+    prompts = make_prompts(1, LENGTHS)
+    reference, margins = hf_greedy_with_margins(path, prompts, 12)
+    llm = gpu_llm(path)
+    runner = llm.core.runner
+    assert runner.graphs is not None and runner.backend.tensor_cores
+    assert all(graph.attention.tensor_cores for graph in runner.graphs._graphs.values())
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert_greedy_matches(ours, reference, margins)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads"), [(4, 2), (12, 2)], ids=["cuda-cores", "tensor-cores"]
+)
+def test_cuda_graph_decode_matches_eager(tmp_path: Path, heads: int, kv_heads: int) -> None:
     """One decode step through each captured graph size (padded) and through the eager
     FlashInfer path, on the same random KV history: same hidden states, and the padding
     writes only the scratch block."""
     num_blocks = 512
-    llm = gpu_llm(make_gpu_model("llama", tmp_path), num_kv_blocks=num_blocks, max_num_seqs=16)
+    path = make_gpu_model("llama", tmp_path, heads, kv_heads)
+    llm = gpu_llm(path, num_kv_blocks=num_blocks, max_num_seqs=16)
     runner = llm.core.runner
     assert runner.graphs is not None and runner.graphs.sizes == (1, 2, 4, 8, 16)
+    assert runner.backend.tensor_cores == (heads // kv_heads > 4)
     assert runner.kv_cache.shape[2] == num_blocks + 1  # the scratch block
     torch.manual_seed(0)
     runner.kv_cache.normal_()  # stands in for the K/V of earlier steps
@@ -247,3 +279,96 @@ def test_kv_cache_fills_the_gpu_memory_utilization(tmp_path: Path) -> None:
     assert kv_cache.shape[2] == llm.config.cache.num_blocks  # no scratch block when eager
     assert used <= share + gib / 2
     assert kv_bytes >= share - (total - free_before) - 2 * gib
+
+
+# --- Sampling on CUDA logits -----------------------------------------------------------------
+
+VOCAB = 1000
+
+
+def sampling_rows(params: list[SamplingParams], rng: np.random.Generator) -> list[SamplingRow]:
+    """Rows with prompts and outputs drawn from the vocabulary, so penalties have work."""
+    return [
+        SamplingRow(
+            p, rng.integers(0, VOCAB, 12).tolist(), rng.integers(0, VOCAB, 7).tolist(), (2,)
+        )
+        for p in params
+    ]
+
+
+def test_deterministic_sampling_features_match_the_cpu() -> None:
+    """Greedy with logit bias, penalties and min_tokens, with logprobs: on CUDA logits the
+    same tokens, ranks and top ids as on the CPU, logprobs within float32 noise."""
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    params = [
+        SamplingParams(temperature=0.0, logprobs=5),
+        SamplingParams(temperature=0.0, logit_bias={7: 30.0, 9: -100.0}, logprobs=0),
+        SamplingParams(temperature=0.0, repetition_penalty=1.7, logprobs=3),
+        SamplingParams(temperature=0.0, frequency_penalty=1.5, presence_penalty=0.8),
+        SamplingParams(temperature=0.0, min_tokens=20, logprobs=2),  # masks the stop id 2
+    ]
+    rows = sampling_rows(params, rng)
+    logits = torch.randn(len(rows), VOCAB) * 3
+    logits[4, 2] = 50.0  # the stop token would win but for min_tokens
+    cpu = Sampler(VOCAB)(logits, rows)
+    gpu = Sampler(VOCAB)(logits.cuda(), rows)
+    print(f"tokens: cpu {cpu.token_ids}, cuda {gpu.token_ids}")
+    assert gpu.token_ids == cpu.token_ids
+    assert gpu.token_ids[1] == 7 and gpu.token_ids[4] != 2
+    for ours, theirs in zip(gpu.logprobs, cpu.logprobs, strict=True):
+        assert (ours is None) == (theirs is None)
+        if ours is None or theirs is None:
+            continue
+        assert (ours.token_id, ours.rank) == (theirs.token_id, theirs.rank)
+        assert [t for t, _ in ours.top] == [t for t, _ in theirs.top]
+        assert abs(ours.logprob - theirs.logprob) < 1e-4
+        assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(ours.top, theirs.top, strict=True))
+
+
+def cuda_frequencies(logits: list[float], params: SamplingParams, n: int = 40000) -> torch.Tensor:
+    torch.manual_seed(0)
+    batch = torch.tensor([logits] * n, device="cuda")
+    rows = [SamplingRow(params, [0], [], ())] * n
+    tokens = Sampler(len(logits))(batch, rows).token_ids
+    return torch.bincount(torch.tensor(tokens), minlength=len(logits)).double() / n
+
+
+@pytest.mark.parametrize(
+    ("params", "kept"),
+    [
+        (SamplingParams(temperature=0.5), [0, 1, 2, 3, 4]),
+        (SamplingParams(temperature=1.0, top_p=0.7), [0, 1]),
+        (SamplingParams(temperature=1.0, top_k=3), [0, 1, 2]),
+        (SamplingParams(temperature=1.0, min_p=0.2), [0, 1, 2]),
+    ],
+    ids=["temperature", "top_p", "top_k", "min_p"],
+)
+def test_random_sampling_on_cuda_draws_from_the_filtered_softmax(
+    params: SamplingParams, kept: list[int]
+) -> None:
+    logits = [2.0, 1.0, 0.5, 0.0, -1.0]
+    scaled = torch.tensor(logits, dtype=torch.float64) / params.temperature
+    expected = torch.zeros(len(logits), dtype=torch.float64)
+    expected[kept] = scaled[kept].softmax(-1)
+    observed = cuda_frequencies(logits, params)
+    diff = (observed - expected).abs().max().item()
+    print(f"observed {observed.tolist()} expected {expected.tolist()} max diff {diff:.4f}")
+    assert diff < 0.012
+
+
+def test_seeded_sampling_does_not_depend_on_the_device() -> None:
+    """A seeded request's noise is drawn on the CPU, so CUDA logits give the CPU's tokens."""
+    torch.manual_seed(0)
+    rng = np.random.default_rng(1)
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.95, top_k=50, min_p=0.01, seed=1000 + i)
+        for i in range(32)
+    ]
+    rows = sampling_rows(params, rng)
+    logits = torch.randn(len(rows), VOCAB) * 2
+    cpu = Sampler(VOCAB)(logits, rows).token_ids
+    gpu = Sampler(VOCAB)(logits.cuda(), rows).token_ids
+    again = Sampler(VOCAB)(logits.cuda(), rows).token_ids
+    assert gpu == again == cpu
+    assert len(set(gpu)) > 1  # the seeds differ, so do the draws

@@ -1,4 +1,5 @@
-"""The native CPU paged-attention kernel against dense attention and the torch backend."""
+"""The native CPU paged-attention kernel against dense attention and the torch backend, in
+every instruction set this CPU runs (the op's `isa` argument)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from engine.attention import create_backend, resolve_backend_name
+from engine.attention import create_backend, resolve_backend
 from engine.attention.backend import allocate_kv_cache
 from engine.attention.metadata import AttentionMetadata, build_attention_metadata
 from engine.attention.native_backend import NativeCpuAttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.ops.build import native_kernels_available
+from engine.ops.loader import NativeKernels, native_kernels
 from tests.engine.attention.test_torch_backend import CASES, dense_reference
 
 # (computed, new) per request; "chunked" continues prompts that already have history.
@@ -24,12 +25,8 @@ NATIVE_CASES = CASES | {
 }
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 LAYER = 1
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _native_kernels() -> None:
-    if not native_kernels_available():
-        pytest.skip("native CPU kernels unavailable (no C++ compiler or ninja, or build failed)")
+# Every instruction set this build holds and this CPU runs (no skip: an empty list fails).
+ISAS = list(native_kernels().supported)
 
 
 @dataclass
@@ -87,55 +84,66 @@ def max_diff_to_dense(case: PagedCase, out: torch.Tensor) -> float:
     return max_diff
 
 
-def run_native(case: PagedCase) -> torch.Tensor:
-    backend = NativeCpuAttentionBackend(case.kv_cache, case.q.shape[1], case.q.shape[-1] ** -0.5)
+def run_native(case: PagedCase, isa: str | None = None) -> torch.Tensor:
+    """The backend's step: writes this step's K/V, then attends with the CPU's best kernels.
+    With `isa`, the attention is then run again with that instruction set's kernels."""
+    scale = case.q.shape[-1] ** -0.5
+    backend = NativeCpuAttentionBackend(case.kv_cache, case.q.shape[1], scale)
     backend.plan(case.metadata)
-    return backend.forward(LAYER, case.q, case.k, case.v)
+    out = backend.forward(LAYER, case.q, case.k, case.v)
+    if isa is None:
+        return out
+    md, (k_cache, v_cache) = case.metadata, case.kv_cache[LAYER]
+    out = torch.empty_like(case.q)
+    torch.ops.pagedserve.paged_attention(
+        out, case.q, k_cache, v_cache, md.qo_indptr, md.kv_indptr, md.kv_indices,
+        md.kv_last_page_len, scale, isa,
+    )  # fmt: skip
+    return out
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("case", sorted(NATIVE_CASES))
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(9, 3), (8, 2), (4, 4)])
 def test_native_matches_dense_attention(
-    dtype: torch.dtype, block_size: int, case: str, num_heads: int, num_kv_heads: int
+    dtype: torch.dtype, block_size: int, case: str, num_heads: int, num_kv_heads: int, isa: str
 ) -> None:
     pc = make_case(NATIVE_CASES[case], num_heads, num_kv_heads, 64, block_size, dtype)
-    out = run_native(pc)
+    out = run_native(pc, isa)
     max_diff = max_diff_to_dense(pc, out)
-    print(f"{case} {dtype} bs={block_size} heads={num_heads}/{num_kv_heads}: {max_diff:.2e}")
+    print(f"{isa} {case} {dtype} bs={block_size} heads={num_heads}/{num_kv_heads}: {max_diff:.2e}")
     assert out.dtype == dtype
     assert max_diff < TOLERANCE[dtype]
 
 
-# 48 has no AVX-512 instantiation and takes the portable path inside the same entry point.
+# 48 has no AVX-512 instantiation: the AVX-512 sets run their portable kernel for it.
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("head_dim", [16, 32, 48, 80, 96, 128, 256])
-def test_native_head_sizes_and_dtypes(dtype: torch.dtype, head_dim: int) -> None:
+def test_native_head_sizes_and_dtypes(dtype: torch.dtype, head_dim: int, isa: str) -> None:
     pc = make_case(NATIVE_CASES["chunked"] + CASES["mixed"], 6, 2, head_dim, 16, dtype, seed=1)
-    max_diff = max_diff_to_dense(pc, run_native(pc))
-    print(f"head_dim={head_dim} {dtype}: {max_diff:.2e}")
+    max_diff = max_diff_to_dense(pc, run_native(pc, isa))
+    print(f"{isa} head_dim={head_dim} {dtype}: {max_diff:.2e}")
     assert max_diff < TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("head_dim", [64, 48])
-def test_portable_kernel_matches_dense_attention(dtype: torch.dtype, head_dim: int) -> None:
-    """The plain C++ path that non-AVX-512 CPUs run, forced on this machine."""
-    pc = make_case(NATIVE_CASES["chunked"] + CASES["mixed"], 9, 3, head_dim, 16, dtype, seed=2)
-    backend = NativeCpuAttentionBackend(pc.kv_cache, 9, head_dim**-0.5)
-    backend.plan(pc.metadata)
-    backend.forward(LAYER, pc.q, pc.k, pc.v)  # writes this step's K/V into the cache
-    md = pc.metadata
-    out = torch.empty_like(pc.q)
-    k_cache, v_cache = pc.kv_cache[LAYER]
-    torch.ops.pagedserve.paged_attention_portable(
-        out, pc.q, k_cache, v_cache, md.qo_indptr, md.kv_indptr, md.kv_indices,
-        md.kv_last_page_len, head_dim**-0.5,
-    )  # fmt: skip
-    max_diff = max_diff_to_dense(pc, out)
-    print(f"portable head_dim={head_dim} {dtype}: {max_diff:.2e}")
-    assert max_diff < TOLERANCE[dtype]
+def test_the_backend_runs_the_cpus_best_instruction_set() -> None:
+    pc = make_case(NATIVE_CASES["chunked"], 9, 3, 64, 16, torch.bfloat16, seed=2)
+    out = run_native(pc)
+    assert torch.equal(out, run_native(pc, ISAS[0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_avx512_sets_agree_bit_for_bit_outside_bf16(dtype: torch.dtype) -> None:
+    """AVX512_BF16 changes only bf16 dot products: float32 and float16 give the same bits
+    with and without it (on a CPU that runs both; elsewhere there is nothing to compare)."""
+    sets = [isa for isa in ISAS if isa.startswith("avx512")]
+    pc = make_case(NATIVE_CASES["chunked"] + CASES["mixed"], 8, 2, 64, 16, dtype, seed=5)
+    outs = [run_native(pc, isa) for isa in sets]
+    print(f"compared {sets}")
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
 
 
 def test_native_matches_torch_backend_and_writes_the_same_cache() -> None:
@@ -186,17 +194,21 @@ def test_kernels_share_torchs_openmp_runtime() -> None:
 def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     import engine.attention as attention
 
-    assert resolve_backend_name("auto", "cpu") == "cpu-native"
-    assert resolve_backend_name("torch", "cpu") == "torch"
+    auto = resolve_backend("auto", "cpu")
+    assert (auto.name, auto.reason) == ("cpu-native", "auto: the native CPU kernels load")
+    assert resolve_backend("torch", "cpu").name == "torch"
     kv_cache = allocate_kv_cache(1, 4, 16, 2, 32, torch.float32, "cpu")
     assert create_backend("auto", kv_cache, 4, 1.0).name == "cpu-native"
     assert create_backend("torch", kv_cache, 4, 1.0).name == "torch"
     with pytest.raises(ValueError, match="only on the CPU"):
-        resolve_backend_name("cpu-native", "cuda")
-    monkeypatch.setattr(attention, "native_kernels_available", lambda: False)
-    assert resolve_backend_name("auto", "cpu") == "torch"
-    with pytest.raises(ValueError, match="cpu-native"):
-        resolve_backend_name("cpu-native", "cpu")
+        resolve_backend("cpu-native", "cuda")
+    broken = NativeKernels(None, reason="_C.abi3.so does not load (undefined symbol)")
+    monkeypatch.setattr(attention, "native_kernels", lambda: broken)
+    fallback = resolve_backend("auto", "cpu")
+    assert fallback.name == "torch"
+    assert fallback.reason == f"auto: the native CPU kernels are unavailable: {broken.reason}"
+    with pytest.raises(ValueError, match=r"'cpu-native' is unavailable: _C\.abi3\.so does not"):
+        resolve_backend("cpu-native", "cpu")
 
 
 def test_greedy_tokens_match_the_torch_backend(tmp_path: Path) -> None:

@@ -24,16 +24,21 @@ from engine.models.quantized import (
     quantized_linear,
     unpack_nibbles,
 )
-from engine.ops.build import native_kernels_available
+from engine.ops.loader import native_kernels
 
 N, K = 200, 576  # N is not a multiple of the 16-row tile: the padding is exercised too
 FORMATS = ("int8", "int4-g32", "int4-g64", "Q4_0", "Q4_1", "Q8_0")
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 4e-3}  # of the output's max magnitude
 
 
+# Every instruction set of the native kernels this CPU runs: each has its own quantized path
+# (bfloat16 dot products, float32 AVX-512, portable loops).
+ISAS = tuple(native_kernels().supported)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _native() -> None:
-    assert native_kernels_available(), "the native CPU kernels must build for these tests"
+    assert native_kernels().available, "the native CPU kernels must load for these tests"
 
 
 @functools.cache
@@ -47,34 +52,34 @@ def make_weight(fmt: str, n: int = N, k: int = K, seed: int = 0) -> QuantizedWei
     return from_gguf(fmt, gguf.quants.quantize(w.numpy(), qtype), (n, k))
 
 
-def kernel(op: str, x: torch.Tensor, w: TiledWeight) -> torch.Tensor:
-    return getattr(torch.ops.pagedserve, op)(x, *w.kernel_args())
+def kernel(isa: str, x: torch.Tensor, w: TiledWeight) -> torch.Tensor:
+    return torch.ops.pagedserve.quant_linear(x, *w.kernel_args(), isa=isa)
 
 
 def relative_error(y: torch.Tensor, reference: torch.Tensor) -> float:
     return float((y.double() - reference).abs().max() / reference.abs().max())
 
 
-# The vector kernels at every step shape; the portable loops (the fallback) on decode-sized
-# ones, where they are fast enough to test.
-KERNEL_CASES = [("quant_linear", m) for m in (1, 7, 64, 513)] + [
-    ("quant_linear_portable", m) for m in (1, 7, 64)
+# The vector kernels at every step shape; the portable loops (also what the AVX2 set runs)
+# on decode-sized ones, where they are fast enough to test.
+KERNEL_CASES = [
+    (isa, m) for isa in ISAS for m in ((1, 7, 64, 513) if isa.startswith("avx512") else (1, 7, 64))
 ]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize(("op", "m"), KERNEL_CASES)
+@pytest.mark.parametrize(("isa", "m"), KERNEL_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_kernel_matches_the_dequantized_reference(
-    fmt: str, op: str, m: int, dtype: torch.dtype
+    fmt: str, isa: str, m: int, dtype: torch.dtype
 ) -> None:
     weight = make_weight(fmt)
     dense = dequantize_reference(weight).double()
     x = torch.randn(m, K, generator=torch.Generator().manual_seed(m)).to(dtype)
-    y = kernel(op, x, pack_tiles(weight))
+    y = kernel(isa, x, pack_tiles(weight))
     reference = x.double() @ dense.T
     error = relative_error(y, reference)
-    print(f"{fmt} M={m} {dtype} {op}: max error {error:.2e} of max |y|")
+    print(f"{fmt} M={m} {dtype} {isa}: max error {error:.2e} of max |y|")
     assert y.shape == (m, N) and y.dtype == dtype
     assert error < TOLERANCE[dtype]
 

@@ -1,4 +1,5 @@
-"""Fused CPU elementwise kernels against the torch code they replace."""
+"""Fused CPU elementwise kernels against the torch code they replace, in every instruction
+set this CPU runs (the ops' `isa` argument), and the Python bindings that dispatch them."""
 
 from __future__ import annotations
 
@@ -8,16 +9,32 @@ import torch.nn.functional as F
 
 from engine.models.layers import RotaryEmbedding
 from engine.ops import native_ops
-from engine.ops.build import native_kernels_available
+from engine.ops.loader import native_kernels
 from engine.ops.native_ops import rope_reference
 
 DTYPES = [torch.float32, torch.bfloat16]
+# Every instruction set this build holds and this CPU runs (no skip: an empty list fails).
+ISAS = list(native_kernels().supported)
+ops = torch.ops.pagedserve
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _native_kernels() -> None:
-    if not native_kernels_available():
-        pytest.skip("native CPU kernels unavailable (no C++ compiler or ninja, or build failed)")
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, isa: str) -> torch.Tensor:
+    out = torch.empty_like(x)
+    ops.rms_norm(out, x, weight, eps, isa)
+    return out
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, isa: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    ops.fused_add_rms_norm(x, residual, weight, eps, isa)
+    return x, residual
+
+
+def silu_and_mul(gate_up: torch.Tensor, isa: str) -> torch.Tensor:
+    out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
+    ops.silu_and_mul(out, gate_up, isa)
+    return out
 
 
 def max_ulps(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -33,32 +50,35 @@ def check(name: str, out: torch.Tensor, ref: torch.Tensor, ulps: float) -> None:
     assert err <= ulps
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("hidden", [576, 72])  # 72: not a multiple of 16, exercises the tails
-def test_rms_norm(dtype: torch.dtype, hidden: int) -> None:
+def test_rms_norm(dtype: torch.dtype, hidden: int, isa: str) -> None:
     torch.manual_seed(0)
     x = (torch.randn(37, hidden) * 3).to(dtype)
     weight = (1 + 0.1 * torch.randn(hidden)).to(dtype)
-    out = native_ops.rms_norm(x, weight, 1e-5)
+    out = rms_norm(x, weight, 1e-5, isa)
     # Only the float32 mean's summation order differs: a last-bit change in float32.
     check("rms_norm", out, native_ops.rms_norm_reference(x, weight, 1e-5), ulps=4)
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_add_rms_norm(dtype: torch.dtype) -> None:
+def test_add_rms_norm(dtype: torch.dtype, isa: str) -> None:
     torch.manual_seed(1)
     x, residual = torch.randn(2, 19, 80).to(dtype).unbind(0)
     weight = torch.randn(80).to(dtype)
     summed = x + residual
     ref = native_ops.rms_norm_reference(summed, weight, 1e-6)
-    out, new_residual = native_ops.add_rms_norm(x.clone(), residual.clone(), weight, 1e-6)
+    out, new_residual = add_rms_norm(x.clone(), residual.clone(), weight, 1e-6, isa)
     assert torch.equal(new_residual, summed)
     check("add_rms_norm", out, ref, ulps=4)
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("head_dim", [64, 40])
-def test_rope_in_place_on_fused_qkv_views(dtype: torch.dtype, head_dim: int) -> None:
+def test_rope_in_place_on_fused_qkv_views(dtype: torch.dtype, head_dim: int, isa: str) -> None:
     torch.manual_seed(2)
     tokens, heads, kv_heads = 23, 9, 3
     positions = torch.randint(0, 2000, (tokens,))
@@ -68,21 +88,44 @@ def test_rope_in_place_on_fused_qkv_views(dtype: torch.dtype, head_dim: int) -> 
     q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
     q_ref, k_ref = rope_reference(q, cos, sin), rope_reference(k, cos, sin)
     v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
-    native_ops.apply_rope_(q, k, cos, sin)
+    ops.rotary_embedding(q, k, cos, sin, isa)
     # Every rounding of the torch expression is reproduced: bit-identical.
     check("rope q", q, q_ref, ulps=0)
     check("rope k", k, k_ref, ulps=0)
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("intermediate", [1536, 100])
-def test_silu_and_mul(dtype: torch.dtype, intermediate: int) -> None:
+def test_silu_and_mul(dtype: torch.dtype, intermediate: int, isa: str) -> None:
     torch.manual_seed(3)
     gate_up = (torch.randn(29, 2 * intermediate) * 4).to(dtype)
     gate, up = gate_up.split(intermediate, dim=-1)
     # exp's last float32 bit differs from torch's, which can move a bf16 rounding by 1 ulp.
-    check("silu_and_mul", native_ops.silu_and_mul(gate_up), F.silu(gate) * up, ulps=4)
+    check("silu_and_mul", silu_and_mul(gate_up, isa), F.silu(gate) * up, ulps=4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_bindings_run_the_cpus_best_instruction_set(dtype: torch.dtype) -> None:
+    """native_ops' functions equal the ops in the set the CPU was found to run best."""
+    best = ISAS[0]
+    assert native_kernels().isa == best
+    torch.manual_seed(4)
+    x, residual = (torch.randn(2, 9, 96) * 2).to(dtype).unbind(0)
+    weight = torch.randn(96).to(dtype)
+    assert torch.equal(native_ops.rms_norm(x, weight, 1e-5), rms_norm(x, weight, 1e-5, best))
+    out, summed = native_ops.add_rms_norm(x.clone(), residual.clone(), weight, 1e-5)
+    expected_out, expected_summed = add_rms_norm(x.clone(), residual.clone(), weight, 1e-5, best)
+    assert torch.equal(out, expected_out) and torch.equal(summed, expected_summed)
+    gate_up = torch.randn(9, 192).to(dtype)
+    assert torch.equal(native_ops.silu_and_mul(gate_up), silu_and_mul(gate_up, best))
+    cos, sin = RotaryEmbedding(32, 10000.0, {})(torch.arange(9), dtype)
+    q, k = torch.randn(2, 9, 3, 32).to(dtype).unbind(0)
+    q2, k2 = q.clone(), k.clone()
+    native_ops.apply_rope_(q, k, cos, sin)
+    ops.rotary_embedding(q2, k2, cos, sin, best)
+    assert torch.equal(q, q2) and torch.equal(k, k2)
 
 
 def test_other_dtypes_fall_back_to_torch() -> None:

@@ -118,14 +118,16 @@ class EagerReplayRunner(CudaGraphRunner):
 def test_graph_runner_replays_padded_decode_steps(tmp_path: Path) -> None:
     """CudaGraphRunner.run on CPU (fake FlashInfer, graphs replaced by eager replays): each
     decode step equals the eager FlashInfer backend on the unpadded step."""
-    model, arch = load_model(make_tiny_model("llama", tmp_path), torch.bfloat16, "cpu")
+    # head_dim 64: a size FlashInfer has kernels for.
+    path = make_tiny_model("llama", tmp_path, hidden_size=256, head_dim=64)
+    model, arch = load_model(path, torch.bfloat16, "cpu")
     fake, _ = make_fake_flashinfer()
     num_blocks, block_size, scale = 64, 16, arch.head_dim**-0.5
     shape = (arch.num_layers, num_blocks + 1, block_size, arch.num_kv_heads, arch.head_dim)
     graph_cache = allocate_kv_cache(*shape, torch.bfloat16, "cpu")
     graph_cache.normal_()  # earlier steps' K/V
     eager_cache = graph_cache.clone()
-    workspace = torch.empty(16, dtype=torch.uint8)
+    workspace = torch.zeros(16, dtype=torch.uint8)
     config = CudaGraphConfig(capture_sizes(8), max_model_len=256)
     runner = EagerReplayRunner(model, graph_cache, config, workspace, flashinfer=fake)
     assert runner.scratch_block == num_blocks

@@ -14,10 +14,9 @@
 //                                l = l * alpha + rowsum(p);  acc = acc * alpha + p.V
 //   out = acc / l
 //
-// Two item kernels share the planning and the threading: attention_avx512.h (compiled when
-// the compiler targets AVX-512; bf16 uses AVX512_BF16 dot products where present) and
-// attention_portable.h (generic vectors, for every other CPU and for head sizes the
-// AVX-512 path is not instantiated for).
+// The item kernels (attention_kernels.cpp) exist once per instruction set; this file,
+// compiled for the baseline CPU, checks the inputs, plans the items, runs them on torch's
+// thread pool and dispatches each to the chosen set (kernels.h).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -31,54 +30,14 @@
 #include <vector>
 
 #include "attention_common.h"
-#include "attention_portable.h"
-
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#define PAGEDSERVE_AVX512 1
-#include "attention_avx512.h"
-#endif
+#include "kernels.h"
 
 namespace pagedserve {
 namespace {
 
+using PAGEDSERVE_ISA::span_of;
+
 constexpr int64_t kTileQueries = 48;  // query vectors (rows * group) per work item
-
-// ---------------------------------------------------------------------------------------
-// Kernel selection.
-
-using ItemFn = void (*)(const void*, const WorkItem&, Scratch&);
-
-#ifdef PAGEDSERVE_AVX512
-template <typename T, int DV>
-void avx512_item_erased(const void* pb, const WorkItem& it, Scratch& s) {
-  avx512::attention_item<T, DV>(*static_cast<const Problem<T>*>(pb), it, s);
-}
-
-// The head sizes the AVX-512 path is instantiated for; others use the portable path.
-template <typename T>
-ItemFn avx512_kernel_for(int64_t head_dim) {
-  switch (head_dim) {
-    case 16: return &avx512_item_erased<T, 1>;
-    case 32: return &avx512_item_erased<T, 2>;
-    case 64: return &avx512_item_erased<T, 4>;
-    case 80: return &avx512_item_erased<T, 5>;
-    case 96: return &avx512_item_erased<T, 6>;
-    case 128: return &avx512_item_erased<T, 8>;
-    case 256: return &avx512_item_erased<T, 16>;
-    default: return nullptr;
-  }
-}
-#else
-template <typename T>
-ItemFn avx512_kernel_for(int64_t) {
-  return nullptr;
-}
-#endif  // PAGEDSERVE_AVX512
-
-template <typename T>
-void portable_item_erased(const void* pb, const WorkItem& it, Scratch& s) {
-  portable::attention_item<T>(*static_cast<const Problem<T>*>(pb), it, s);
-}
 
 // ---------------------------------------------------------------------------------------
 // Planning and threading.
@@ -111,11 +70,10 @@ std::vector<WorkItem> plan_items(const Problem<T>& pb, int64_t num_reqs) {
 }
 
 template <typename T>
-void run(const Problem<T>& pb, int64_t num_reqs, bool portable) {
+void run(const Problem<T>& pb, int64_t num_reqs, const Kernels& kernels) {
   const std::vector<WorkItem> items = plan_items(pb, num_reqs);
   if (items.empty()) return;
-  ItemFn fn = portable ? nullptr : avx512_kernel_for<T>(pb.head_dim);
-  if (fn == nullptr) fn = &portable_item_erased<T>;
+  const auto attention_item = kernels.of<T>().attention_item;
   const int64_t max_queries = rows_per_tile(pb.group) * pb.group;
   const int64_t num_workers =
       std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
@@ -127,7 +85,7 @@ void run(const Problem<T>& pb, int64_t num_reqs, bool portable) {
     for (int64_t w = begin; w < end; ++w) {
       for (int64_t idx = next.fetch_add(1); idx < static_cast<int64_t>(items.size());
            idx = next.fetch_add(1)) {
-        fn(&pb, items[idx], scratch);
+        attention_item(pb, items[idx], scratch);
       }
     }
   });
@@ -166,10 +124,11 @@ void check_metadata(const at::Tensor& qo_indptr, const at::Tensor& kv_indptr,
   }
 }
 
-void paged_attention_impl(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
-                          const at::Tensor& v_cache, const at::Tensor& qo_indptr,
-                          const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
-                          const at::Tensor& kv_last_page_len, double scale, bool portable) {
+void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const at::Tensor& qo_indptr,
+                     const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
+                     const at::Tensor& kv_last_page_len, double scale,
+                     const std::optional<std::string>& isa) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(),
               "paged_attention: q and out must be (T, H, D)");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
@@ -198,54 +157,22 @@ void paged_attention_impl(const at::Tensor& out, const at::Tensor& q, const at::
                         qo_indptr.data_ptr<int32_t>(), kv_indptr.data_ptr<int32_t>(),
                         kv_indices.data_ptr<int32_t>(), kv_last_page_len.data_ptr<int32_t>(),
                         Hkv, D, k_cache.size(1), H / Hkv, static_cast<float>(scale)};
-    run(pb, kv_last_page_len.size(0), portable);
+    run(pb, kv_last_page_len.size(0), kernels_for(isa));
   };
   dispatch_dtype(q.scalar_type(), "paged_attention", launch);
-}
-
-void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
-                     const at::Tensor& v_cache, const at::Tensor& qo_indptr,
-                     const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
-                     const at::Tensor& kv_last_page_len, double scale) {
-  paged_attention_impl(out, q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices,
-                       kv_last_page_len, scale, /*portable=*/false);
-}
-
-void paged_attention_portable(const at::Tensor& out, const at::Tensor& q,
-                              const at::Tensor& k_cache, const at::Tensor& v_cache,
-                              const at::Tensor& qo_indptr, const at::Tensor& kv_indptr,
-                              const at::Tensor& kv_indices, const at::Tensor& kv_last_page_len,
-                              double scale) {
-  paged_attention_impl(out, q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices,
-                       kv_last_page_len, scale, /*portable=*/true);
-}
-
-std::string cpu_isa() {
-#if defined(PAGEDSERVE_AVX512) && defined(__AVX512BF16__)
-  return "avx512+bf16";
-#elif defined(PAGEDSERVE_AVX512)
-  return "avx512";
-#else
-  return "portable";
-#endif
 }
 
 }  // namespace
 }  // namespace pagedserve
 
-TORCH_LIBRARY(pagedserve, m) {
+TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+  // isa: run this instruction set's kernels instead of the CPU's best (for tests).
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
       "Tensor qo_indptr, Tensor kv_indptr, Tensor kv_indices, Tensor kv_last_page_len, "
-      "float scale) -> ()");
-  m.def(
-      "paged_attention_portable(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
-      "Tensor qo_indptr, Tensor kv_indptr, Tensor kv_indices, Tensor kv_last_page_len, "
-      "float scale) -> ()");
-  m.def("cpu_isa() -> str", &pagedserve::cpu_isa);
+      "float scale, str? isa=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("paged_attention", &pagedserve::paged_attention);
-  m.impl("paged_attention_portable", &pagedserve::paged_attention_portable);
 }

@@ -1,0 +1,230 @@
+// The seam between the op entry points and the kernels.
+//
+// The entry points (attention_ops.cpp, elementwise_ops.cpp, dispatch.cpp) are compiled for
+// the baseline CPU of the target (x86-64 or aarch64). The kernels (attention_kernels.cpp,
+// elementwise_kernels.cpp) are compiled once per instruction set, each time with that
+// set's -m flags and -DPAGEDSERVE_ISA=<namespace>, so every function of ours exists once
+// per instruction set under its own name:
+//
+//   pagedserve::isa_portable::...      baseline flags           every CPU
+//   pagedserve::isa_avx2::...          + AVX2, FMA, F16C        x86-64 only
+//   pagedserve::isa_avx512::...        + AVX-512 F/BW/VL/DQ     x86-64 only
+//   pagedserve::isa_avx512_bf16::...   + AVX512_BF16            x86-64 only
+//
+// dispatch.cpp picks one set from the CPU's features at run time (one binary for every
+// CPU). The build links the baseline objects first and the others in the order above, so
+// an inline function of a shared header (std::, c10::) that the linker merges keeps the
+// copy of the smallest set that has one, which every caller's CPU can run.
+#pragma once
+
+#include <c10/core/ScalarType.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace pagedserve {
+
+constexpr int kChunk = 16;  // keys per online-softmax step (one zmm of scores)
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+template <typename T>
+struct Problem {
+  const T* q;  // (num_tokens, num_heads, head_dim), token stride q_stride
+  const T* k_cache;  // (num_blocks, block_size, num_kv_heads, head_dim), contiguous
+  const T* v_cache;
+  T* out;  // like q, token stride out_stride
+  int64_t q_stride, out_stride;
+  const int32_t* qo_indptr;
+  const int32_t* kv_indptr;
+  const int32_t* kv_indices;
+  const int32_t* kv_last_page_len;
+  int64_t num_kv_heads, head_dim, block_size, group;
+  float scale;
+};
+
+// Query rows row_begin..row_end of one request, for the `group` query heads of one KV head.
+struct WorkItem {
+  int32_t req, kv_head, row_begin, row_end;
+  int64_t cost;
+};
+
+// Scratch owned by one thread for all the items it runs.
+struct Scratch {
+  std::vector<float> q, acc, p, k, kt, v, row_max, row_sum, alpha;
+  std::vector<uint16_t> p16;
+  std::vector<const void*> q_rows;
+  Scratch(int64_t max_queries, int64_t head_dim)
+      : q(max_queries * head_dim), acc(max_queries * head_dim), p(max_queries * kChunk),
+        k(kChunk * head_dim), kt(kChunk * head_dim), v(kChunk * head_dim), row_max(max_queries),
+        row_sum(max_queries), alpha(max_queries), p16(max_queries * kChunk),
+        q_rows(max_queries) {}
+};
+
+// Rows of out = rms_norm(x [+ residual]) * weight; with a residual, x + residual is also
+// written back to residual.
+template <typename T>
+struct RmsNormRows {
+  T* out;
+  int64_t out_stride;
+  T* x;
+  int64_t x_stride;
+  T* residual;  // null: no residual add
+  int64_t residual_stride;
+  const T* weight;
+  int64_t hidden;
+  float eps;
+};
+
+// Tokens of q (T, q_heads, head_dim) and k (T, k_heads, head_dim), rotated in place.
+template <typename T>
+struct RopeRows {
+  T* q;
+  int64_t q_stride, q_heads;
+  T* k;
+  int64_t k_stride, k_heads;
+  const T* cos;  // (T, head_dim)
+  const T* sin;
+  int64_t head_dim;
+};
+
+// Rows of out (T, I) = silu(gate) * up with gate_up = [gate | up] (T, 2 * I).
+template <typename T>
+struct SiluAndMulRows {
+  T* out;
+  int64_t out_stride;
+  const T* gate_up;
+  int64_t gate_up_stride;
+  int64_t intermediate;
+};
+
+// A weight-only quantized linear layer's weight, tiled (quant_kernels.cpp has the layout):
+// 16 output rows per tile, blocks of 32 weights along K, float16 scales (and mins) per
+// group of `group` weights.
+struct QuantWeight {
+  const uint8_t* q;     // 4-bit: (tiles, K/32, 16, 16) bytes; 8-bit: (tiles, K/32, 32, 16)
+  const c10::Half* d;   // (tiles, K / group, 16)
+  const c10::Half* m;   // (tiles, K / group, 16), 4-bit only
+  int64_t N, K, group;
+  int bits;
+
+  static constexpr int64_t kTile = 16;
+  static constexpr int64_t kBlock = 32;
+  int64_t tiles() const { return (N + kTile - 1) / kTile; }
+  int64_t blocks() const { return K / kBlock; }
+  int64_t groups() const { return K / group; }
+  int64_t block_bytes() const { return bits == 4 ? kTile * kBlock / 2 : kTile * kBlock; }
+  const uint8_t* block(int64_t t, int64_t b) const {
+    return q + (t * blocks() + b) * block_bytes();
+  }
+  // The integer of weight (n, k): q in 0..15 (4 bits) or -128..127 (8 bits).
+  int value(int64_t n, int64_t k) const {
+    const int64_t row = n % kTile, kk = k % kBlock;
+    const uint8_t* blk = block(n / kTile, k / kBlock);
+    if (bits == 8) return static_cast<int8_t>(blk[kk * kTile + row]);
+    const uint8_t byte = blk[(kk / 2) * kTile + 2 * (row % 8) + kk % 2];
+    return row < 8 ? (byte & 0x0F) : (byte >> 4);
+  }
+  float scale(int64_t n, int64_t g) const {
+    return static_cast<float>(d[(n / kTile * groups() + g) * kTile + n % kTile]);
+  }
+  float min(int64_t n, int64_t g) const {
+    return static_cast<float>(m[(n / kTile * groups() + g) * kTile + n % kTile]);
+  }
+};
+
+// Up to 8 rows of a quantized linear's input: float32 copies, their group sums, and the
+// bfloat16 originals when the input is bfloat16 (null otherwise).
+struct QuantRows {
+  const float* x;             // (count, K)
+  const c10::BFloat16* xb;    // (count, K) or null
+  const float* xsum;          // (count, K / group)
+  int64_t count;
+};
+
+// Where those rows' outputs go: row r at float32 or bfloat16 `data` + r * N.
+struct QuantOut {
+  void* data;
+  bool bf16;
+};
+
+// One instruction set's kernels for element type T. The row kernels cover rows
+// begin..end, so the caller's thread pool splits the work.
+template <typename T>
+struct KernelsFor {
+  void (*attention_item)(const Problem<T>&, const WorkItem&, Scratch&);
+  void (*rms_norm_rows)(const RmsNormRows<T>&, int64_t begin, int64_t end);
+  void (*rope_rows)(const RopeRows<T>&, int64_t begin, int64_t end);
+  void (*silu_and_mul_rows)(const SiluAndMulRows<T>&, int64_t begin, int64_t end);
+};
+
+struct Kernels {
+  const char* isa;
+  KernelsFor<float> f32;
+  KernelsFor<c10::BFloat16> bf16;
+  KernelsFor<c10::Half> f16;
+  // Quantized linear: tiles begin..end of y for `rows`.
+  void (*quant_tiles)(const QuantWeight&, const QuantRows&, QuantOut, int64_t begin,
+                      int64_t end);
+
+  template <typename T>
+  const KernelsFor<T>& of() const {
+    if constexpr (std::is_same_v<T, float>) return f32;
+    else if constexpr (std::is_same_v<T, c10::BFloat16>) return bf16;
+    else return f16;
+  }
+};
+
+// Calls f(T{}) for the element type T of a float32, bfloat16 or float16 tensor.
+template <typename F>
+void dispatch_dtype(c10::ScalarType dtype, const char* op, F&& f) {
+  switch (dtype) {
+    case c10::kFloat: return f(float{});
+    case c10::kBFloat16: return f(c10::BFloat16{});
+    case c10::kHalf: return f(c10::Half{});
+    default: TORCH_CHECK(false, op, ": unsupported dtype ", dtype);
+  }
+}
+
+// The kernels this CPU runs best (chosen once, from its features).
+const Kernels& active_kernels();
+
+// The kernels of the named instruction set; raises (TORCH_CHECK) when this build lacks
+// them or this CPU cannot run them.
+const Kernels& kernels_named(const std::string& isa);
+
+// The kernels the op's optional `isa` argument asks for (tests); the active ones for None.
+inline const Kernels& kernels_for(const std::optional<std::string>& isa) {
+  return isa ? kernels_named(*isa) : active_kernels();
+}
+
+}  // namespace pagedserve
+
+// Each instruction set's definitions, for dispatch.cpp. attention_kernels.cpp and
+// elementwise_kernels.cpp define them (explicitly instantiated for float, BFloat16, Half).
+#define PAGEDSERVE_DECLARE_KERNELS(ns)                                                   \
+  namespace pagedserve::ns {                                                              \
+  template <typename T>                                                                   \
+  void attention_item(const Problem<T>& pb, const WorkItem& item, Scratch& scratch);     \
+  template <typename T>                                                                   \
+  void rms_norm_rows(const RmsNormRows<T>& a, int64_t begin, int64_t end);               \
+  template <typename T>                                                                   \
+  void rope_rows(const RopeRows<T>& a, int64_t begin, int64_t end);                      \
+  template <typename T>                                                                   \
+  void silu_and_mul_rows(const SiluAndMulRows<T>& a, int64_t begin, int64_t end);        \
+  void quant_tiles(const QuantWeight& w, const QuantRows& rows, QuantOut out,            \
+                   int64_t begin, int64_t end);                                           \
+  }
+
+PAGEDSERVE_DECLARE_KERNELS(isa_portable)
+#ifdef PAGEDSERVE_WITH_X86_ISAS
+PAGEDSERVE_DECLARE_KERNELS(isa_avx2)
+PAGEDSERVE_DECLARE_KERNELS(isa_avx512)
+PAGEDSERVE_DECLARE_KERNELS(isa_avx512_bf16)
+#endif

@@ -1,0 +1,266 @@
+// Weight-only quantized linear layers on the CPU: y = x W^T, W (N, K) quantized in blocks of
+// 32 weights along K, as GGUF's Q4_0, Q4_1 and Q8_0 and pagedserve's int8/int4 are.
+//
+//   4-bit (affine): w = d[n, g] * q + m[n, g], q in 0..15
+//   8-bit (scaled): w = d[n, g] * q,           q in -128..127
+//
+// with float16 d and m per group g of `group_size` weights (a multiple of 32). Activations
+// are float32 or bfloat16; every product and sum is float32, so the result equals
+// x @ dequantize(W)^T up to the order of float32 additions.
+//
+// Layout (made by engine/models/quantized.py's pack_tiles): 16 output rows form a tile,
+// and a vector's 16 float32 lanes are a tile's 16 rows, so a tile's outputs accumulate
+// lane-wise with no horizontal sums, and each unpacked weight vector serves every row of x.
+//
+//   8-bit  q: (N/16, K/32, 32, 16) int8   [tile][block][k in block][row in tile]
+//   4-bit  q: (N/16, K/32, 16, 16) uint8  [tile][block][k pair][byte]; byte 2a + p holds
+//             rows a (low nibble) and a + 8 (high nibble) at k = 2 * pair + p
+//   d, m:     (N/16, K/group, 16) float16 [tile][group][row in tile]
+//
+// The 4-bit byte order is what AVX512-BF16 wants: broadcasting a pair's 16 bytes to both
+// halves of a ymm, shifting the second half right by 4 and masking gives 32 nibbles; widened
+// to 16-bit words and OR-ed into 0x4300 they are the bfloat16 numbers 128 + q (exact:
+// bfloat16's spacing at 128 is 1), and lane i of vdpbf16ps with the broadcast activation
+// pair (x[k], x[k+1]) adds row i's two products, each exact in float32. Then
+//
+//   sum_{k in g} w x = d * sum_{k in g} (128 + q) x + (m - 128 d) * xsum[g]
+//
+// still exact up to float32 rounding of the sums, though the 128 offset spends about seven
+// of float32's 24 bits on cancellation: far below a bfloat16 output's 8. float32 activations
+// take the plain float32 path (the nibbles widened to float32), which has no offset.
+//
+// Compiled once per instruction set (kernels.h): the bfloat16 dot-product path exists in
+// the AVX512_BF16 set, the float32 vector path in both AVX-512 sets, and every set has the
+// portable loops (the reference for the others' arithmetic). quant_ops.cpp checks the
+// tensors, prepares the rows and splits the tiles over torch's threads.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "kernels.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
+#include <immintrin.h>
+#define PAGEDSERVE_QUANT_AVX512 1
+#if defined(__AVX512BF16__)
+#define PAGEDSERVE_QUANT_BF16 1
+#endif
+#endif
+
+namespace pagedserve::PAGEDSERVE_ISA {
+namespace {
+
+using TileKernel = void (*)(const QuantWeight&, int64_t t, const QuantRows& a, QuantOut out);
+
+// Stores one row's tile of outputs, rounding to bfloat16 (nearest even) when the output is.
+void store_tile(const QuantWeight& w, int64_t t, const float* lanes, QuantOut out, int64_t r) {
+  const int64_t n0 = t * QuantWeight::kTile, count = std::min(QuantWeight::kTile, w.N - n0);
+  if (out.bf16) {
+    c10::BFloat16* dst = static_cast<c10::BFloat16*>(out.data) + r * w.N + n0;
+    for (int64_t i = 0; i < count; ++i) dst[i] = static_cast<c10::BFloat16>(lanes[i]);
+  } else {
+    std::memcpy(static_cast<float*>(out.data) + r * w.N + n0, lanes, count * sizeof(float));
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Portable path: plain loops, the reference for the vector paths' arithmetic.
+
+void tile_portable(const QuantWeight& w, int64_t t, const QuantRows& a, QuantOut out) {
+  const int64_t groups = w.groups();
+  for (int64_t r = 0; r < a.count; ++r) {
+    const float* x = a.x + r * w.K;
+    float lanes[QuantWeight::kTile];
+    for (int64_t i = 0; i < QuantWeight::kTile; ++i) {
+      const int64_t n = std::min(t * QuantWeight::kTile + i, w.N - 1);
+      float total = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        float acc = 0.f;
+        for (int64_t k = g * w.group; k < (g + 1) * w.group; ++k) {
+          acc += static_cast<float>(w.value(n, k)) * x[k];
+        }
+        total += w.scale(n, g) * acc;
+        if (w.bits == 4) total += w.min(n, g) * a.xsum[r * groups + g];
+      }
+      lanes[i] = total;
+    }
+    store_tile(w, t, lanes, out, r);
+  }
+}
+
+#ifdef PAGEDSERVE_QUANT_AVX512
+
+inline __m512 load_f16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+inline void store_lanes(const QuantWeight& w, int64_t t, __m512 v,
+                                                 QuantOut out, int64_t r) {
+  alignas(64) float lanes[QuantWeight::kTile];
+  _mm512_store_ps(lanes, v);
+  store_tile(w, t, lanes, out, r);
+}
+
+// ---------------------------------------------------------------------------------------
+// float32 path: per k, the tile's 16 weights as floats, times the broadcast x[k].
+
+// The 16 rows' weights at k = 2 * pair + p of a 4-bit block, widened to int32 lanes.
+inline void unpack4_pair(const uint8_t* pair_bytes, __m512i* even,
+                                                  __m512i* odd) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(pair_bytes));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i low = _mm_and_si128(raw, mask);                      // rows 0..7
+  const __m128i high = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);  // rows 8..15
+  // Bytes 2a are k = 2 pair, bytes 2a + 1 are k + 1: gather each parity's 8 rows.
+  const __m128i parity = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  const __m128i lo = _mm_shuffle_epi8(low, parity), hi = _mm_shuffle_epi8(high, parity);
+  *even = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi));
+  *odd = _mm512_cvtepu8_epi32(_mm_unpackhi_epi64(lo, hi));
+}
+
+template <int64_t R>
+void tile_f32(const QuantWeight& w, int64_t t, const QuantRows& a,
+                                       QuantOut out) {
+  const int64_t groups = w.groups(), blocks_per_group = w.group / QuantWeight::kBlock;
+  __m512 acc[R], part[R];
+  for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t r = 0; r < R; ++r) part[r] = _mm512_setzero_ps();
+    for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
+      const uint8_t* blk = w.block(t, b);
+      const int64_t k0 = b * QuantWeight::kBlock;
+      if (w.bits == 8) {
+        for (int64_t kk = 0; kk < QuantWeight::kBlock; ++kk) {
+          const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kk * QuantWeight::kTile));
+          const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+          for (int64_t r = 0; r < R; ++r) {
+            part[r] = _mm512_fmadd_ps(wv, _mm512_set1_ps(a.x[r * w.K + k0 + kk]), part[r]);
+          }
+        }
+        continue;
+      }
+      for (int64_t pair = 0; pair < QuantWeight::kBlock / 2; ++pair) {
+        __m512i even, odd;
+        unpack4_pair(blk + pair * QuantWeight::kTile, &even, &odd);
+        const __m512 we = _mm512_cvtepi32_ps(even), wo = _mm512_cvtepi32_ps(odd);
+        for (int64_t r = 0; r < R; ++r) {
+          const float* x = a.x + r * w.K + k0 + 2 * pair;
+          part[r] = _mm512_fmadd_ps(we, _mm512_set1_ps(x[0]), part[r]);
+          part[r] = _mm512_fmadd_ps(wo, _mm512_set1_ps(x[1]), part[r]);
+        }
+      }
+    }
+    const __m512 dv = load_f16(w.d + (t * groups + g) * QuantWeight::kTile);
+    for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(part[r], dv, acc[r]);
+    if (w.bits == 4) {
+      const __m512 mv = load_f16(w.m + (t * groups + g) * QuantWeight::kTile);
+      for (int64_t r = 0; r < R; ++r) {
+        acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.xsum[r * groups + g]), acc[r]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) store_lanes(w, t, acc[r], out, r);
+}
+
+#ifdef PAGEDSERVE_QUANT_BF16
+// ---------------------------------------------------------------------------------------
+// AVX512-BF16 path, 4-bit weights and bfloat16 activations (see the header comment).
+
+template <int64_t R>
+void tile_bf16(const QuantWeight& w, int64_t t, const QuantRows& a,
+                                             QuantOut out) {
+  // With few rows of x, alternate partial sums so consecutive dot products do not wait on
+  // each other's latency.
+  constexpr int64_t P = R >= 4 ? 1 : (R >= 2 ? 2 : 4);
+  const int64_t groups = w.groups(), blocks_per_group = w.group / QuantWeight::kBlock;
+  const __m256i shifts = _mm256_setr_epi16(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m512i bf16_128 = _mm512_set1_epi16(0x4300);
+  __m512 acc[R], part[R][P];
+  for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t r = 0; r < R; ++r) {
+      for (int64_t p = 0; p < P; ++p) part[r][p] = _mm512_setzero_ps();
+    }
+    for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
+      const uint8_t* blk = w.block(t, b);
+      const int64_t k0 = b * QuantWeight::kBlock;
+      for (int64_t pair0 = 0; pair0 < QuantWeight::kBlock / 2; pair0 += P) {
+#pragma GCC unroll 4
+        for (int64_t p = 0; p < P; ++p) {
+          const int64_t pair = pair0 + p;
+          const auto* bytes = reinterpret_cast<const __m128i*>(blk + pair * QuantWeight::kTile);
+          const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128(bytes));
+          const __m256i nibbles = _mm256_and_si256(_mm256_srlv_epi16(both, shifts), nibble);
+          const __m512bh wv = (__m512bh)_mm512_or_si512(_mm512_cvtepu8_epi16(nibbles), bf16_128);
+#pragma GCC unroll 8
+          for (int64_t r = 0; r < R; ++r) {
+            int32_t x_pair;
+            std::memcpy(&x_pair, a.xb + r * w.K + k0 + 2 * pair, sizeof(x_pair));
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(x_pair);
+            part[r][p] = _mm512_dpbf16_ps(part[r][p], wv, xv);
+          }
+        }
+      }
+    }
+    const __m512 dv = load_f16(w.d + (t * groups + g) * QuantWeight::kTile);
+    const __m512 mv = load_f16(w.m + (t * groups + g) * QuantWeight::kTile);
+    const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), dv, mv);  // m - 128 d
+    for (int64_t r = 0; r < R; ++r) {
+      __m512 sum = part[r][0];
+      for (int64_t p = 1; p < P; ++p) sum = _mm512_add_ps(sum, part[r][p]);
+      acc[r] = _mm512_fmadd_ps(sum, dv, acc[r]);
+      acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(a.xsum[r * groups + g]), acc[r]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) store_lanes(w, t, acc[r], out, r);
+}
+
+#endif  // PAGEDSERVE_QUANT_BF16
+
+#define PAGEDSERVE_ROW_SWITCH(KERNEL)                       \
+  switch (a.count) {                                        \
+    case 8: return KERNEL<8>(w, t, a, out);                 \
+    case 7: return KERNEL<7>(w, t, a, out);                 \
+    case 6: return KERNEL<6>(w, t, a, out);                 \
+    case 5: return KERNEL<5>(w, t, a, out);                 \
+    case 4: return KERNEL<4>(w, t, a, out);                 \
+    case 3: return KERNEL<3>(w, t, a, out);                 \
+    case 2: return KERNEL<2>(w, t, a, out);                 \
+    default: return KERNEL<1>(w, t, a, out);                \
+  }
+
+void tile_rows_f32(const QuantWeight& w, int64_t t, const QuantRows& a, QuantOut out) {
+  PAGEDSERVE_ROW_SWITCH(tile_f32)
+}
+
+#ifdef PAGEDSERVE_QUANT_BF16
+void tile_rows_bf16(const QuantWeight& w, int64_t t, const QuantRows& a, QuantOut out) {
+  PAGEDSERVE_ROW_SWITCH(tile_bf16)
+}
+#endif
+#endif  // PAGEDSERVE_QUANT_AVX512
+
+TileKernel kernel_for(const QuantWeight& w, const QuantRows& rows) {
+#ifdef PAGEDSERVE_QUANT_BF16
+  if (rows.xb != nullptr && w.bits == 4) return tile_rows_bf16;
+#endif
+#ifdef PAGEDSERVE_QUANT_AVX512
+  return tile_rows_f32;
+#else
+  (void)w;
+  (void)rows;
+  return tile_portable;
+#endif
+}
+
+}  // namespace
+
+void quant_tiles(const QuantWeight& w, const QuantRows& rows, QuantOut out, int64_t begin,
+                 int64_t end) {
+  const TileKernel kernel = kernel_for(w, rows);
+  for (int64_t t = begin; t < end; ++t) kernel(w, t, rows, out);
+}
+
+}  // namespace pagedserve::PAGEDSERVE_ISA

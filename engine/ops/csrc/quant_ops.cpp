@@ -1,0 +1,139 @@
+// The quantized linear ops' entry points (kernels and layout in quant_kernels.cpp): tensor
+// checks, the input rows in float32 with their group sums, the split of output tiles over
+// torch's threads, and the instruction set (kernels.h). Also the dequantization of (rows
+// of) a tiled weight, for embedding lookups and for steps too large for the kernel.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kernels.h"
+
+namespace pagedserve {
+namespace {
+
+// Rows of x per pass over the weights: each unpacked weight vector serves this many.
+constexpr int64_t kRowTile = 8;
+// Weights per parallel task: enough that a fork-join pays for itself.
+constexpr int64_t kMinWeightsPerTask = 1 << 16;
+
+QuantWeight check_weight(const at::Tensor& qweight, const at::Tensor& scales,
+                         const std::optional<at::Tensor>& mins, int64_t bits, int64_t group,
+                         int64_t N) {
+  constexpr int64_t kTile = QuantWeight::kTile, kBlock = QuantWeight::kBlock;
+  TORCH_CHECK(bits == 4 || bits == 8, "quantized weights are 4 or 8 bits, not ", bits);
+  TORCH_CHECK(group > 0 && group % kBlock == 0, "group_size must be a multiple of 32, got ",
+              group);
+  TORCH_CHECK(qweight.device().is_cpu() && qweight.dim() == 4 && qweight.is_contiguous() &&
+                  qweight.size(3) == kTile,
+              "qweight must be a tiled (tiles, K/32, k, 16) contiguous CPU tensor");
+  TORCH_CHECK(qweight.scalar_type() == (bits == 4 ? at::kByte : at::kChar),
+              "4-bit weights are uint8 nibble pairs, 8-bit weights int8");
+  TORCH_CHECK(qweight.size(2) == (bits == 4 ? kBlock / 2 : kBlock), "wrong block shape");
+  const int64_t tiles = qweight.size(0), K = qweight.size(1) * kBlock;
+  TORCH_CHECK(N > (tiles - 1) * kTile && N <= tiles * kTile, "N=", N, " does not fit ", tiles,
+              " tiles");
+  TORCH_CHECK(K % group == 0, "K=", K, " is not a multiple of group_size=", group);
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+                  scales.numel() == tiles * (K / group) * kTile,
+              "scales must be contiguous float16 (tiles, K / group_size, 16)");
+  const c10::Half* m = nullptr;
+  if (bits == 4) {
+    TORCH_CHECK(mins.has_value() && mins->scalar_type() == at::kHalf && mins->is_contiguous() &&
+                    mins->numel() == scales.numel(),
+                "4-bit weights need float16 mins shaped like scales");
+    m = mins->data_ptr<c10::Half>();
+  }
+  return QuantWeight{static_cast<const uint8_t*>(qweight.data_ptr()),
+                     scales.data_ptr<c10::Half>(), m, N, K, group, static_cast<int>(bits)};
+}
+
+// x (M, K) @ W^T -> (M, N) in x's dtype (float32 or bfloat16).
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                        const std::optional<at::Tensor>& mins, int64_t bits, int64_t group,
+                        int64_t N, const std::optional<std::string>& isa) {
+  const QuantWeight w = check_weight(qweight, scales, mins, bits, group, N);
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == w.K, "x must be (M, ", w.K,
+              ") on the CPU");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "x must be float32 or bfloat16");
+  const int64_t M = x.size(0), K = w.K, groups = w.groups();
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const at::Tensor xc = x.contiguous();
+  // x in float32 and its group sums, made here rather than with torch ops: a decode step
+  // runs this for every linear layer, and each extra op costs dispatch time.
+  std::vector<float> x32(M * K), xsum(M * groups, 0.f);
+  for (int64_t i = 0; i < M * K; ++i) {
+    x32[i] = bf16 ? static_cast<float>(xc.data_ptr<c10::BFloat16>()[i]) : xc.data_ptr<float>()[i];
+  }
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t k = 0; k < K; ++k) xsum[r * groups + k / group] += x32[r * K + k];
+  }
+  at::Tensor out = at::empty({M, N}, x.options());
+  const auto tiles = kernels_for(isa).quant_tiles;
+  const int64_t grain = std::max<int64_t>(1, kMinWeightsPerTask / (QuantWeight::kTile * K));
+  at::parallel_for(0, w.tiles(), grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r0 = 0; r0 < M; r0 += kRowTile) {
+      const QuantRows rows{x32.data() + r0 * K,
+                           bf16 ? xc.data_ptr<c10::BFloat16>() + r0 * K : nullptr,
+                           xsum.data() + r0 * groups, std::min(kRowTile, M - r0)};
+      char* base = static_cast<char*>(out.data_ptr()) + r0 * N * out.element_size();
+      tiles(w, rows, QuantOut{base, bf16}, begin, end);
+    }
+  });
+  return out;
+}
+
+// Dequantizes rows (all N when `rows` is absent) into `dtype`: (R, K).
+at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales,
+                            const std::optional<at::Tensor>& mins, int64_t bits, int64_t group,
+                            int64_t N, const std::optional<at::Tensor>& rows,
+                            at::ScalarType dtype) {
+  const QuantWeight w = check_weight(qweight, scales, mins, bits, group, N);
+  const at::Tensor index = rows.has_value() ? rows->to(at::kLong).contiguous()
+                                            : at::arange(N, qweight.options().dtype(at::kLong));
+  TORCH_CHECK(index.dim() == 1, "rows must be 1-D");
+  const int64_t R = index.numel();
+  const int64_t* ids = index.data_ptr<int64_t>();
+  for (int64_t i = 0; i < R; ++i) {
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < N, "row ", ids[i], " is out of range [0, ", N, ")");
+  }
+  at::Tensor out32 = at::empty({R, w.K}, qweight.options().dtype(at::kFloat));
+  float* out = out32.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, kMinWeightsPerTask / w.K);
+  at::parallel_for(0, R, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t n = ids[i];
+      for (int64_t g = 0; g < w.groups(); ++g) {
+        const float d = w.scale(n, g), m = w.bits == 4 ? w.min(n, g) : 0.f;
+        for (int64_t k = g * w.group; k < (g + 1) * w.group; ++k) {
+          out[i * w.K + k] = d * static_cast<float>(w.value(n, k)) + m;
+        }
+      }
+    }
+  });
+  return dtype == at::kFloat ? out32 : out32.to(dtype);
+}
+
+}  // namespace
+}  // namespace pagedserve
+
+TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+  m.def(
+      "quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int bits, "
+      "int group_size, int n, str? isa=None) -> Tensor");
+  m.def(
+      "quant_dequantize(Tensor qweight, Tensor scales, Tensor? mins, int bits, int group_size, "
+      "int n, Tensor? rows, ScalarType dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
+  m.impl("quant_linear", &pagedserve::quant_linear);
+  m.impl("quant_dequantize", &pagedserve::quant_dequantize);
+}

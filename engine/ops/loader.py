@@ -1,0 +1,95 @@
+"""Loading the native CPU kernels: the module engine/ops/_C that installing the package
+builds (setup.py), whose ops register as torch.ops.pagedserve.*.
+
+Nothing is compiled at run time. The module is refused, with the reason, when it is
+missing (a checkout that was never built), cannot load, was built against another torch,
+or was built from other sources than the csrc/ beside it (a checkout edited since its
+last build). Then `auto` runs the torch attention backend and the torch elementwise ops,
+and the error log says so.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.machinery
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.ops.sources import CSRC, sources_sha256
+
+logger = logging.getLogger(__name__)
+
+MODULE_DIR = Path(__file__).resolve().parent
+_REBUILD = (
+    "rebuild it against this torch: pip install --no-build-isolation [-e] . (or make install)"
+)
+
+
+class NativeKernelsError(RuntimeError):
+    """The native kernels cannot be used; the message says why."""
+
+
+@dataclass(frozen=True)
+class NativeKernels:
+    """The native kernels of this process: the instruction set in use, or why there is none."""
+
+    isa: str | None  # "avx512_bf16", "avx512" or "portable"; None when unavailable
+    supported: tuple[str, ...] = ()  # the sets this build holds and this CPU runs, best first
+    reason: str = ""  # why unavailable
+
+    @property
+    def available(self) -> bool:
+        return self.isa is not None
+
+    def describe(self) -> str:
+        return self.isa if self.isa is not None else f"unavailable ({self.reason})"
+
+
+def module_path(directory: Path = MODULE_DIR) -> Path:
+    """The built module's file; raises NativeKernelsError when the package has none."""
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = directory / f"_C{suffix}"
+        if path.exists():
+            return path
+    raise NativeKernelsError(f"the package was installed without its built module _C; {_REBUILD}")
+
+
+def check_build_info(info: dict[str, str], csrc: Path = CSRC) -> None:
+    """Raises NativeKernelsError when the module was built for another torch, or from other
+    sources than `csrc` (when the sources are there: a checkout, not an installed wheel)."""
+    running = torch.__version__.split("+")[0]
+    if info["torch"] != running:
+        raise NativeKernelsError(
+            f"built against torch {info['torch']}, running {running}; {_REBUILD}"
+        )
+    if csrc.is_dir() and info["sources_sha256"] != sources_sha256(csrc):
+        raise NativeKernelsError(
+            f"built from other sources than {csrc} (edited since the build); {_REBUILD}"
+        )
+
+
+def _load() -> NativeKernels:
+    path = module_path()
+    try:
+        torch.ops.load_library(str(path))
+    except OSError as error:
+        raise NativeKernelsError(f"{path.name} does not load ({error}); {_REBUILD}") from error
+    ops = torch.ops.pagedserve
+    check_build_info(dict(ops.build_info()))
+    return NativeKernels(ops.cpu_isa(), tuple(ops.supported_isas()))
+
+
+@functools.cache
+def native_kernels() -> NativeKernels:
+    """Loads the module once per process (loading registers its ops for good) and says
+    what it offers. Logs an error when the kernels cannot be used."""
+    try:
+        kernels = _load()
+    except NativeKernelsError as error:
+        logger.error("native CPU kernels unavailable: %s", error)
+        return NativeKernels(None, reason=str(error))
+    logger.info("native CPU kernels: %s (of %s)", kernels.isa, ", ".join(kernels.supported))
+    return kernels

@@ -1,0 +1,160 @@
+"""The package as a user installs it: `pip wheel` builds the native kernels into the wheel,
+and the installed wheel serves with them on a machine without a C++ compiler.
+
+Two fresh venvs borrow this venv's third-party packages (torch, transformers, ...) through
+a .pth line instead of downloading them again: the build venv A builds the wheel from a
+copy of the checkout's files, the run venv B installs it and runs it with a PATH that
+holds no compiler. Neither sees this checkout or its editable install.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server.live import free_port, wait_ready
+from tests.tiny_models import make_tiny_model
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPILERS = ("c++", "g++", "gcc", "cc", "clang", "clang++")
+PROMPTS = [[5, 17, 30, 4], [9, 9, 41, 77, 3, 12, 60, 61, 62, 8, 200], [100]]
+
+
+def checkout_copy(dest: Path) -> Path:
+    """The files a clone of this checkout has (tracked or new, not ignored): no build
+    outputs, no module built in place."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    for name in listed:
+        if (ROOT / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, dest / name)
+    return dest
+
+
+def borrowing_venv(path: Path) -> Path:
+    """A new venv (no pip of its own) that sees this venv's site-packages after its own."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
+    python = path / "bin" / "python"
+    own = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    Path(own, "borrowed.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return python
+
+
+def build_wheel(tmp_path: Path) -> Path:
+    python = borrowing_venv(tmp_path / "build-venv")
+    source, dist = checkout_copy(tmp_path / "src"), tmp_path / "dist"
+    subprocess.run(
+        [str(python), "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--no-index",
+         "-w", str(dist), str(source)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    [wheel] = dist.glob("pagedserve-*.whl")
+    return wheel
+
+
+def compiler_free_env(venv: Path) -> dict[str, str]:
+    path = str(venv / "bin")
+    for compiler in COMPILERS:
+        assert shutil.which(compiler, path=path) is None, compiler
+    nowhere = str(venv / "no-compiler-here")
+    assert not Path(nowhere).exists()
+    return {**os.environ, "PATH": path, "CC": nowhere, "CXX": nowhere}
+
+
+def pagedserve(venv: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(venv / "bin" / "pagedserve"), *args],
+        env=env, cwd=venv, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+def serve_greedy(venv: Path, env: dict[str, str], model: Path, log: Path) -> list[str]:
+    """The installed server's greedy completions of PROMPTS (token ids in, text out)."""
+    port = free_port()
+    args = ["serve", str(model), "--dtype", "float32", "--num-kv-blocks", "64",
+            "--max-model-len", "256", "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [str(venv / "bin" / "pagedserve"), *args], env=env, cwd=venv, stdout=out,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, proc=proc)
+        body = {"prompt": PROMPTS, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        response.raise_for_status()
+        choices = sorted(response.json()["choices"], key=lambda c: c["index"])
+        return [c["text"] for c in choices]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def torch_backend_greedy(model: Path) -> list[str]:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(str(model), dtype="float32", attention_backend="torch", num_kv_blocks=64,
+              max_model_len=256)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    return [o.outputs[0].text for o in llm.generate(PROMPTS, params)]
+
+
+@pytest.mark.slow
+def test_the_wheel_serves_with_its_native_kernels_without_a_compiler(tmp_path: Path) -> None:
+    wheel = build_wheel(tmp_path)
+    names = zipfile.ZipFile(wheel).namelist()
+    [module] = [n for n in names if n.startswith("engine/ops/_C") and n.endswith(".so")]
+    print(f"{wheel.name}: {module}")
+
+    venv = tmp_path / "run-venv"
+    python = borrowing_venv(venv)
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "--no-deps", "--no-index", "--ignore-installed",
+         str(wheel)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    env = compiler_free_env(venv)
+    where = subprocess.run(
+        [str(python), "-c", "import engine; print(engine.__file__)"],
+        env=env, cwd=venv, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert where.startswith(str(venv)), where  # the wheel's engine, not this checkout's
+
+    info = pagedserve(venv, env, "info", "--dtype", "float32")
+    from engine.ops.loader import native_kernels
+
+    assert f"native kernels: {native_kernels().isa}" in info.stdout, info.stdout + info.stderr
+    assert "attention: cpu-native (auto: the native CPU kernels load)" in info.stdout
+
+    model = make_tiny_model("llama", tmp_path / "model")
+    log = tmp_path / "server.log"
+    served = serve_greedy(venv, env, model, log)
+    assert "attention cpu-native" in log.read_text()
+    assert served == torch_backend_greedy(model)
+
+    # Without its module the install falls back to torch, and says why.
+    installed = Path(where.strip()).parent / "ops"
+    [built] = installed.glob("_C*.so")
+    built.unlink()
+    fallback = pagedserve(venv, env, "info", "--dtype", "float32")
+    missing = "the package was installed without its built module _C"
+    expected = f"attention: torch (auto: the native CPU kernels are unavailable: {missing}"
+    assert expected in fallback.stdout, fallback.stdout
+    assert "native CPU kernels unavailable" in fallback.stderr
+    refused = pagedserve(venv, env, "info", "--attention-backend", "cpu-native")
+    assert refused.returncode == 2 and "'cpu-native' is unavailable" in refused.stderr
