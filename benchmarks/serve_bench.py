@@ -3,13 +3,17 @@
     python benchmarks/serve_bench.py --base-url http://127.0.0.1:8000 --workload random \
         --num-requests 64 --concurrency 16 --input-len 256 --output-len 128 --out results/x
 
-Workloads (token-id prompts, so every server sees exactly the same tokens):
+Workloads (token-id prompts, so every server sees exactly the same tokens; with
+--tokenizer DIR the same prompts as text, for servers that take no token ids, such as
+llama.cpp's):
   random         independent random prompts of --input-len tokens
   shared-prefix  a --prefix-len token prefix shared by all, plus --input-len unique tokens
 Load: a fixed --concurrency (closed loop), or --request-rate requests/s (Poisson arrivals).
-Streams /v1/completions with ignore_eos, measures TTFT and inter-token latency from chunk
-arrival times, and reports output tokens/s, TTFT, ITL and end-to-end latency at p50 and
-p99. Writes <out>.json and <out>.png. Not a test: nothing is asserted.
+Streams /v1/completions with ignore_eos (and --forbid-tokens, as logit_bias -100, for servers
+that ignore ignore_eos), measures TTFT and inter-token latency from chunk arrival times, and
+reports output tokens/s, TTFT, ITL and end-to-end latency at p50 and p99. Output tokens come
+from the stream's usage when the server sends it, else one per chunk. Writes <out>.json and
+<out>.png. Not a test: nothing is asserted.
 """
 
 from __future__ import annotations
@@ -37,7 +41,10 @@ class RequestRecord:
     error: str | None = None
 
 
-def make_prompts(args: argparse.Namespace) -> list[list[int]]:
+Prompt = list[int] | str
+
+
+def make_prompts(args: argparse.Namespace) -> list[Prompt]:
     rng = random.Random(args.seed)
     low, high = args.token_range
 
@@ -45,14 +52,20 @@ def make_prompts(args: argparse.Namespace) -> list[list[int]]:
         return [rng.randrange(low, high) for _ in range(n)]
 
     prefix = tokens(args.prefix_len) if args.workload == "shared-prefix" else []
-    return [prefix + tokens(args.input_len) for _ in range(args.num_requests)]
+    prompts = [prefix + tokens(args.input_len) for _ in range(args.num_requests)]
+    if args.tokenizer is None:
+        return list(prompts)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    return [tokenizer.decode(p) for p in prompts]
 
 
 async def one_request(
-    client: httpx.AsyncClient, args: argparse.Namespace, prompt: list[int]
+    client: httpx.AsyncClient, args: argparse.Namespace, prompt: Prompt
 ) -> RequestRecord:
     record = RequestRecord(prompt_tokens=len(prompt))
-    body = {
+    body: dict[str, Any] = {
         "model": args.model,
         "prompt": prompt,
         "max_tokens": args.output_len,
@@ -61,6 +74,9 @@ async def one_request(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if args.forbid_tokens:
+        body["logit_bias"] = {str(t): -100 for t in args.forbid_tokens}
+    chunks = 0
     start = time.perf_counter()
     last = start
     try:
@@ -77,6 +93,7 @@ async def one_request(
                     record.output_tokens = chunk["usage"]["completion_tokens"]
                 if not chunk.get("choices") or not chunk["choices"][0].get("text"):
                     continue
+                chunks += 1
                 if record.ttft is None:
                     record.ttft = now - start
                 else:
@@ -84,12 +101,13 @@ async def one_request(
                 last = now
     except httpx.HTTPError as exc:
         record.error = repr(exc)
+    record.output_tokens = record.output_tokens or chunks
     record.latency = time.perf_counter() - start
     return record
 
 
 async def run_load(
-    args: argparse.Namespace, prompts: list[list[int]]
+    args: argparse.Namespace, prompts: list[Prompt]
 ) -> tuple[list[RequestRecord], float]:
     limits = httpx.Limits(max_connections=max(args.concurrency, 64))
     async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
@@ -179,6 +197,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefix-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--token-range", type=int, nargs=2, default=(1000, 20000))
+    p.add_argument("--tokenizer", default=None, help="send prompts as text, decoded with this")
+    p.add_argument("--forbid-tokens", type=int, nargs="*", default=[], help="logit_bias -100")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--label", default="server")
