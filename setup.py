@@ -36,7 +36,13 @@ sources = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(sources)
 CSRC: Path = sources.CSRC
 
-ENTRY_POINTS = ("dispatch.cpp", "attention_ops.cpp", "elementwise_ops.cpp", "quant_ops.cpp")
+ENTRY_POINTS = (
+    "dispatch.cpp",
+    "attention_ops.cpp",
+    "elementwise_ops.cpp",
+    "quant_ops.cpp",
+    "decoder_ops.cpp",
+)
 KERNELS = ("attention_kernels.cpp", "elementwise_kernels.cpp", "quant_kernels.cpp")
 BASELINE_ISA = "isa_portable"
 _AVX2 = ["-mavx2", "-mfma", "-mf16c"]

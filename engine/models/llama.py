@@ -7,12 +7,15 @@ attention backend, passed in explicitly, knows which token belongs to which requ
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionBackend
 from engine.models.arch import ModelArch
+from engine.models.fused_layers import fused_layers_available, layer_weights, run_fused_layers
 from engine.models.layers import (
     Linear,
     RMSNorm,
@@ -119,6 +122,8 @@ class DecoderModel(nn.Module):
         # whose table is quantized uses it as its head too.
         self.quantized_embed: TiledWeight | None = None
         self.quantized_head: TiledWeight | None = None
+        # The layers as native ops (engine/models/fused_layers.py), when they can run so.
+        self.fused_layers: list[Any] | None = None
 
     def quantize_embedding(self, weight: QuantizedWeight) -> None:
         """Looks tokens up in `weight` from now on (the float table is dropped)."""
@@ -142,6 +147,8 @@ class DecoderModel(nn.Module):
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         if self.quantized_head is None and head is not None and onednn_packable(head):
             self._packed_head = pack_linear_weight(head.detach())
+        if fused_layers_available(self.norm.weight):
+            self.fused_layers = [layer_weights(layer) for layer in self.layers]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(num_tokens,) -> (num_tokens, hidden_size) in the model's dtype."""
@@ -156,8 +163,11 @@ class DecoderModel(nn.Module):
         x = self.embed(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin, attn)
+        if self.fused_layers is not None and hasattr(attn, "layer_args"):
+            x, residual = run_fused_layers(self.fused_layers, x, cos, sin, attn)
+        else:
+            for layer in self.layers:
+                x, residual = layer(x, residual, cos, sin, attn)
         if residual is None:  # no layers
             return self.norm(x)
         return self.norm.add_forward(x, residual)[0]

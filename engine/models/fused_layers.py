@@ -1,0 +1,74 @@
+"""Decoder layers as single native ops on the CPU (engine/ops/csrc/decoder_ops.cpp).
+
+The Python layer (llama.DecoderLayer) makes dozens of small torch calls per layer, each a
+few microseconds of dispatch: at one token per step that rivals the arithmetic. The native
+op makes the same calls, to the same kernels with the same tensors, from C++, so its output
+is bit-identical; it needs the native kernels and the cpu-native attention backend (whose
+`layer_args` hands it the layer's caches and the step's page table). Each layer's weights
+are packed once into a TorchScript object that holds the module's own tensors (no copy).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine.models.layers import Linear
+from engine.models.quantized import MAX_KERNEL_ROWS
+from engine.ops.loader import native_kernels
+
+_DENSE, _PACKED, _QUANTIZED = 0, 1, 2
+
+
+def linear_weights(layer: Linear) -> Any:
+    """The layer's weight as pagedserve's LinearWeights (dense, oneDNN-packed or quantized)."""
+    make = torch.classes.pagedserve.LinearWeights
+    if layer.quantized is not None:
+        w = layer.quantized
+        return make(
+            _QUANTIZED, w.qweight, layer.bias, w.scales, w.mins, w.bits, w.group_size, w.n,
+            MAX_KERNEL_ROWS,
+        )  # fmt: skip
+    if layer.packed is not None:
+        return make(_PACKED, layer.packed, layer.bias, None, None, 0, 0, 0, 0)
+    assert layer.weight is not None
+    return make(_DENSE, layer.weight.detach(), layer.bias, None, None, 0, 0, 0, 0)
+
+
+def layer_weights(layer: Any) -> Any:
+    """A llama.DecoderLayer's weights as pagedserve's LayerWeights."""
+    attn, mlp = layer.self_attn, layer.mlp
+    q_norm = None if attn.q_norm is None else attn.q_norm.weight.detach()
+    k_norm = None if attn.k_norm is None else attn.k_norm.weight.detach()
+    return torch.classes.pagedserve.LayerWeights(
+        linear_weights(attn.qkv_proj),
+        linear_weights(attn.o_proj),
+        linear_weights(mlp.gate_up_proj),
+        linear_weights(mlp.down_proj),
+        layer.input_layernorm.weight.detach(),
+        layer.post_attention_layernorm.weight.detach(),
+        q_norm,
+        k_norm,
+        layer.input_layernorm.eps,
+        attn.num_heads,
+        attn.num_kv_heads,
+        attn.head_dim,
+    )
+
+
+def fused_layers_available(weight: torch.Tensor) -> bool:
+    """Whether layers whose weights live like `weight` can run as native ops."""
+    return weight.device.type == "cpu" and native_kernels().available
+
+
+def run_fused_layers(
+    layers: list[Any], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Any
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The decoder layers' loop of llama.DecoderModel.forward, one native op per layer:
+    (the last layer's MLP output, the residual before it)."""
+    decoder_layer = torch.ops.pagedserve.decoder_layer
+    residual = None
+    for i, weights in enumerate(layers):
+        x, residual = decoder_layer(x, residual, weights, cos, sin, *attn.layer_args(i))
+    return x, residual

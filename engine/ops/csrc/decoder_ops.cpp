@@ -1,0 +1,258 @@
+// One decoder layer of a Llama-family model on the CPU in a single op call.
+//
+// engine/models/llama.py runs a layer as some fifty small torch calls from Python (norms,
+// three linears and a fourth, views, the rotary embedding, the K/V write, attention, SiLU),
+// and each call's Python-side dispatch costs a few microseconds: at one token per step,
+// that overhead rivals the arithmetic. This op makes the same calls, to the same kernels
+// with the same tensors, from C++: the results are bit-identical to the Python layer (the
+// tests check), only the dispatch is gone. The layer's weights travel as a TorchScript
+// class, built once per layer when the model is loaded (engine/models/fused_layers.py).
+//
+// It runs the cpu-native attention backend's computation (the K/V write through the slot
+// mapping, then paged attention over the CSR page table); other backends keep the Python
+// layer.
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+
+namespace pagedserve {
+namespace {
+
+// How a linear layer's weight is stored (engine/models/layers.py's Linear).
+enum LinearKind : int64_t { kDense = 0, kPacked = 1, kQuantized = 2 };
+
+struct LinearWeights : torch::CustomClassHolder {
+  int64_t kind;
+  at::Tensor weight;  // dense (N, K), oneDNN-packed, or tiled quantized
+  std::optional<at::Tensor> bias;
+  std::optional<at::Tensor> scales, mins;  // quantized only
+  int64_t bits, group_size, n, max_kernel_rows;
+
+  LinearWeights(int64_t kind, at::Tensor weight, std::optional<at::Tensor> bias,
+                std::optional<at::Tensor> scales, std::optional<at::Tensor> mins, int64_t bits,
+                int64_t group_size, int64_t n, int64_t max_kernel_rows)
+      : kind(kind), weight(std::move(weight)), bias(std::move(bias)), scales(std::move(scales)),
+        mins(std::move(mins)), bits(bits), group_size(group_size), n(n),
+        max_kernel_rows(max_kernel_rows) {
+    TORCH_CHECK(kind == kDense || kind == kPacked || kind == kQuantized, "unknown linear kind");
+    TORCH_CHECK(kind != kQuantized || this->scales.has_value(), "quantized weights need scales");
+  }
+};
+
+struct LayerWeights : torch::CustomClassHolder {
+  c10::intrusive_ptr<LinearWeights> qkv, o_proj, gate_up, down;
+  at::Tensor input_norm, post_norm;
+  std::optional<at::Tensor> q_norm, k_norm;  // Qwen3
+  double eps;
+  int64_t num_heads, num_kv_heads, head_dim;
+
+  LayerWeights(c10::intrusive_ptr<LinearWeights> qkv, c10::intrusive_ptr<LinearWeights> o_proj,
+               c10::intrusive_ptr<LinearWeights> gate_up, c10::intrusive_ptr<LinearWeights> down,
+               at::Tensor input_norm, at::Tensor post_norm, std::optional<at::Tensor> q_norm,
+               std::optional<at::Tensor> k_norm, double eps, int64_t num_heads,
+               int64_t num_kv_heads, int64_t head_dim)
+      : qkv(std::move(qkv)), o_proj(std::move(o_proj)), gate_up(std::move(gate_up)),
+        down(std::move(down)), input_norm(std::move(input_norm)),
+        post_norm(std::move(post_norm)), q_norm(std::move(q_norm)), k_norm(std::move(k_norm)),
+        eps(eps), num_heads(num_heads), num_kv_heads(num_kv_heads), head_dim(head_dim) {}
+};
+
+using OptString = std::optional<std::string>;
+
+// Our own ops, called through the dispatcher (their implementations live in other files).
+const auto& rms_norm_op() {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("pagedserve::rms_norm", "")
+          .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                      const OptString&)>();
+  return op;
+}
+
+const auto& fused_add_rms_norm_op() {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("pagedserve::fused_add_rms_norm", "")
+          .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                      const OptString&)>();
+  return op;
+}
+
+const auto& rotary_op() {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("pagedserve::rotary_embedding", "")
+          .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                      const at::Tensor&, const OptString&)>();
+  return op;
+}
+
+const auto& silu_and_mul_op() {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("pagedserve::silu_and_mul", "")
+          .typed<void(const at::Tensor&, const at::Tensor&, const OptString&)>();
+  return op;
+}
+
+const auto& paged_attention_op() {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("pagedserve::paged_attention", "")
+          .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                      const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                      const at::Tensor&, const at::Tensor&, double, const OptString&)>();
+  return op;
+}
+
+const auto& quant_linear_op() {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("pagedserve::quant_linear", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const std::optional<at::Tensor>&, int64_t, int64_t, int64_t,
+                            const OptString&)>();
+  return op;
+}
+
+const auto& quant_dequantize_op() {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("pagedserve::quant_dequantize", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                            int64_t, int64_t, int64_t, const std::optional<at::Tensor>&,
+                            at::ScalarType)>();
+  return op;
+}
+
+// torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""), as layers.py calls it.
+at::Tensor packed_linear(const at::Tensor& x, const LinearWeights& w) {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack;
+  stack.reserve(6);
+  stack.emplace_back(x);
+  stack.emplace_back(w.weight);
+  stack.emplace_back(w.bias.has_value() ? c10::IValue(*w.bias) : c10::IValue());
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
+  stack.emplace_back(std::string(""));
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// layers.Linear.forward for 2-D x: the same kernel and the same tensors.
+at::Tensor linear(const at::Tensor& x, const LinearWeights& w) {
+  if (w.kind == kPacked) return packed_linear(x, w);
+  if (w.kind == kDense) return at::linear(x, w.weight, w.bias);
+  at::Tensor y;
+  if (x.size(0) <= w.max_kernel_rows) {
+    y = quant_linear_op().call(x, w.weight, *w.scales, w.mins, w.bits, w.group_size, w.n,
+                               std::nullopt);
+  } else {
+    const at::Tensor dense = quant_dequantize_op().call(w.weight, *w.scales, w.mins, w.bits,
+                                                        w.group_size, w.n, std::nullopt,
+                                                        x.scalar_type());
+    y = at::linear(x, dense);
+  }
+  return w.bias.has_value() ? y + *w.bias : y;
+}
+
+// native_ops.rms_norm on (..., H): a new tensor.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const at::Tensor rows = x.reshape({-1, x.size(-1)});
+  at::Tensor out = at::empty_like(rows);
+  rms_norm_op().call(out, rows, weight, eps, std::nullopt);
+  return out.view(x.sizes());
+}
+
+// Attention.forward with the cpu-native backend: q, k, v views of the qkv buffer.
+at::Tensor attention(const LayerWeights& w, const at::Tensor& h, const at::Tensor& cos,
+                     const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& slot_mapping, const at::Tensor& qo_indptr,
+                     const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
+                     const at::Tensor& kv_last_page_len, double scale) {
+  const int64_t T = h.size(0), D = w.head_dim;
+  const int64_t q_size = w.num_heads * D, kv_size = w.num_kv_heads * D;
+  const at::Tensor qkv = linear(h, *w.qkv);  // (T, q_size + 2 * kv_size)
+  const auto parts = qkv.split_with_sizes({q_size, kv_size, kv_size}, -1);
+  at::Tensor q = parts[0].view({T, w.num_heads, D});
+  at::Tensor k = parts[1].view({T, w.num_kv_heads, D});
+  const at::Tensor v = parts[2].view({T, w.num_kv_heads, D});
+  if (w.q_norm.has_value() && w.k_norm.has_value()) {
+    q = rms_norm(q, *w.q_norm, w.eps);
+    k = rms_norm(k, *w.k_norm, w.eps);
+  }
+  rotary_op().call(q, k, cos, sin, std::nullopt);  // in place (native_ops.apply_rope_)
+  // write_kv: this step's K/V into their slots, then attention over the paged history.
+  k_cache.view({-1, w.num_kv_heads, D}).index_copy_(0, slot_mapping, k);
+  v_cache.view({-1, w.num_kv_heads, D}).index_copy_(0, slot_mapping, v);
+  if (q.stride(-1) != 1 || q.stride(-2) != D) q = q.contiguous();
+  at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);  // (T, heads, D)
+  paged_attention_op().call(out, q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices,
+                            kv_last_page_len, scale, std::nullopt);
+  return linear(out.reshape({T, q_size}), *w.o_proj);
+}
+
+// DecoderLayer.forward: (this layer's MLP output, the residual before it), the residual
+// stream carried unsummed as in llama.py. x and residual are reused (mutated).
+std::tuple<at::Tensor, at::Tensor> decoder_layer(
+    const at::Tensor& x, const std::optional<at::Tensor>& residual,
+    const c10::intrusive_ptr<LayerWeights>& weights, const at::Tensor& cos,
+    const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& slot_mapping, const at::Tensor& qo_indptr, const at::Tensor& kv_indptr,
+    const at::Tensor& kv_indices, const at::Tensor& kv_last_page_len, double scale) {
+  const LayerWeights& w = *weights;
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(),
+              "decoder_layer: x must be a contiguous CPU (tokens, hidden) tensor");
+  at::Tensor h, res;
+  if (!residual.has_value()) {  // the first layer: x is the embeddings
+    res = x;
+    h = rms_norm(x, w.input_norm, w.eps);
+  } else {
+    TORCH_CHECK(residual->is_contiguous(), "decoder_layer: the residual must be contiguous");
+    h = x;
+    res = *residual;
+    fused_add_rms_norm_op().call(h, res, w.input_norm, w.eps, std::nullopt);
+  }
+  at::Tensor attn = attention(w, h, cos, sin, k_cache, v_cache, slot_mapping, qo_indptr,
+                              kv_indptr, kv_indices, kv_last_page_len, scale);
+  fused_add_rms_norm_op().call(attn, res, w.post_norm, w.eps, std::nullopt);
+  const at::Tensor gate_up = linear(attn, *w.gate_up);  // (T, 2 * I)
+  const int64_t I = gate_up.size(1) / 2;
+  at::Tensor act = at::empty({gate_up.size(0), I}, gate_up.options());
+  silu_and_mul_op().call(act, gate_up, std::nullopt);
+  return {linear(act, *w.down), res};
+}
+
+}  // namespace
+}  // namespace pagedserve
+
+TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+  m.class_<pagedserve::LinearWeights>("LinearWeights")
+      .def(torch::init<int64_t, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>,
+                       std::optional<at::Tensor>, int64_t, int64_t, int64_t, int64_t>());
+  m.class_<pagedserve::LayerWeights>("LayerWeights")
+      .def(torch::init<c10::intrusive_ptr<pagedserve::LinearWeights>,
+                       c10::intrusive_ptr<pagedserve::LinearWeights>,
+                       c10::intrusive_ptr<pagedserve::LinearWeights>,
+                       c10::intrusive_ptr<pagedserve::LinearWeights>, at::Tensor, at::Tensor,
+                       std::optional<at::Tensor>, std::optional<at::Tensor>, double, int64_t,
+                       int64_t, int64_t>());
+  m.def(
+      "decoder_layer(Tensor x, Tensor? residual, "
+      "__torch__.torch.classes.pagedserve.LayerWeights weights, Tensor cos, Tensor sin, "
+      "Tensor k_cache, Tensor v_cache, Tensor slot_mapping, Tensor qo_indptr, "
+      "Tensor kv_indptr, Tensor kv_indices, Tensor kv_last_page_len, float scale) "
+      "-> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
+  m.impl("decoder_layer", &pagedserve::decoder_layer);
+}
