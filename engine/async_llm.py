@@ -63,6 +63,8 @@ class AsyncLLM:
         self._step: Future[StepResult] | None = None
         self._listener: StatsListener | None = None
         self._abort_stats = IterationStats()
+        # Engine requests that ended on a stop string, to abort before the next step.
+        self._stop_aborts: list[str] = []
         self._monitor = EngineMonitor(
             core.scheduler, lambda: core.num_steps, core.config.cache.enable_prefix_caching
         )
@@ -205,23 +207,40 @@ class AsyncLLM:
     # ---- the loop ------------------------------------------------------------------
 
     async def _run(self) -> None:
+        """Steps back to back. Engine state is touched only between steps; while a step
+        runs in the worker thread, the loop hands out the previous step's outputs
+        (detokenization, stop strings, streams, metrics), so that host work hides behind
+        the model. A stop string found then ends its choice at once for the caller; its
+        engine request is aborted before the next step starts, one wasted token later."""
+        previous: StepResult | None = None
         try:
             while True:
-                if not self.core.has_unfinished_requests():
+                self._apply_stop_aborts()
+                if previous is None and not self.core.has_unfinished_requests():
                     self._apply(await self._inbox.get())
                     self.last_progress = time.monotonic()
                 while not self._inbox.empty():
                     self._apply(self._inbox.get_nowait())
-                if not self.core.has_unfinished_requests():
-                    # Idle after aborts: publish the now-empty gauges, as no step will.
-                    self._publish(self.core.stats(), IterationStats())
+                step = None
+                if self.core.has_unfinished_requests():
+                    self._stepping = True
+                    step = self._step = self._executor.submit(self.core.step)
+                if previous is not None:
+                    self._handle(previous)
+                    previous = None
+                if step is None:
+                    # Idle (all done, or aborted): publish the gauges as they are now, as
+                    # no step will.
+                    stats = self.core.stats()
+                    self._waiting_load = [stats.num_waiting, stats.num_waiting_tokens]
+                    self._publish(stats, IterationStats())
                     continue
-                self._stepping = True
-                self._step = self._executor.submit(self.core.step)
-                result = await asyncio.wrap_future(self._step)
+                previous = await asyncio.wrap_future(step)
                 self._stepping = False
                 self.last_progress = time.monotonic()
-                self._handle(result)
+                self._monitor.capture_if_due()  # the engine as this step left it
+                # Exact as of this step; adds from the inbox count on top of it.
+                self._waiting_load = [previous.stats.num_waiting, previous.stats.num_waiting_tokens]
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
@@ -267,9 +286,16 @@ class AsyncLLM:
         self.core.abort_requests(engine_ids)
         self._abort_stats.finished += stats.finished
 
+    def _apply_stop_aborts(self) -> None:
+        if self._stop_aborts:
+            self.core.abort_requests(self._stop_aborts)
+            self._stop_aborts = []
+
     def _handle(self, result: StepResult) -> None:
+        """Runs while the next step may be in flight: touches no engine state (the aborts
+        wait for _apply_stop_aborts, between steps)."""
         processed = self._processor.process_outputs(result.outputs)
-        self.core.abort_requests(processed.aborts)
+        self._stop_aborts += processed.aborts
         for output in processed.outputs:
             collector = self._collectors.get(output.request_id)
             if collector is not None:
@@ -277,10 +303,8 @@ class AsyncLLM:
         self._publish(result.stats, processed.stats)
 
     def _publish(self, stats: SchedulerStats, iteration: IterationStats) -> None:
-        self._waiting_load = [stats.num_waiting, stats.num_waiting_tokens]
         iteration.finished += self._abort_stats.finished
         self._abort_stats = IterationStats()
         if self._listener is not None:
             self._listener(stats, iteration)
         self._monitor.observe(stats, iteration)
-        self._monitor.capture_if_due()
