@@ -22,6 +22,7 @@ from engine.outputs import (
 )
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler.output import SchedulerStats
+from engine.structured_output.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM, StatsListener
@@ -44,6 +45,7 @@ __all__ = [
     "SamplingParams",
     "SchedulerStats",
     "StatsListener",
+    "StructuredOutputsParams",
     "prepare_default_model",
 ]
 

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import EngineArgs, EngineConfig, EngineHooks, load_tokenizer
+from engine.config import EngineArgs, EngineConfig, EngineHooks
 from engine.core import EngineCore
 from engine.errors import EngineDeadError, RequestValidationError
 from engine.output_processor import OutputProcessor
@@ -96,7 +96,7 @@ class AsyncLLM:
     def from_engine_args(cls, args: EngineArgs, hooks: EngineHooks | None = None) -> AsyncLLM:
         """Loads the model (blocking: run it in a thread from async code)."""
         core = EngineCore.from_args(args, hooks)
-        return cls(core, load_tokenizer(core.config.model))
+        return cls(core, core.tokenizer)
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -115,6 +115,7 @@ class AsyncLLM:
             except asyncio.CancelledError:
                 logger.debug("engine loop cancelled")
         await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
+        self.core.shutdown()
 
     @property
     def is_alive(self) -> bool:
@@ -145,6 +146,7 @@ class AsyncLLM:
         if self.error is not None:
             raise EngineDeadError(f"the engine loop has failed: {self.error!r}")
         self._validate(prompt_token_ids)
+        await self.check_constraints(params)
         if request_id in self._collectors:
             raise ValueError(f"duplicate request id {request_id!r}")
         collector = _Collector(params.output_kind)
@@ -161,6 +163,18 @@ class AsyncLLM:
             self._collectors.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    async def check_constraints(self, params: SamplingParams) -> None:
+        """Compiles the output constraint of `params` on the grammar threads (cached), so
+        the event loop stays free; raises RequestValidationError for one that cannot
+        compile. generate() calls it too: a caller calls it first only when it must know
+        before the first output (to answer a stream with an HTTP 400)."""
+        constraint = params.structured_outputs
+        if constraint is None:
+            return
+        if self.core.grammars is None:
+            raise RequestValidationError("this engine has no grammar engine", "structured_outputs")
+        await asyncio.wrap_future(self.core.grammars.compile(constraint))
 
     def abort(self, request_id: str) -> None:
         """Asks the loop to end a request; unknown or finished ids are ignored."""

@@ -1,0 +1,62 @@
+"""Applies constrained requests' grammars to the step's logits, before any sampling.
+
+Each constrained row's matcher writes its allowed-token bitmask (one bit per token, in
+32-bit words) into a host buffer; the buffer goes to the logits' device in one copy, where
+it is unpacked and applied with tensor ops: no Python loop over the vocabulary. Greedy,
+random, top-k/top-p and seeded sampling all see the masked logits, so none of them can draw
+a token the grammar forbids.
+
+    word w of row i, bit b  ->  token 32 * w + b allowed for that row
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.request import Request
+from engine.structured_output import GrammarMatcher
+
+_MASK = float("-inf")
+
+
+class GrammarBitmask:
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.num_words = (vocab_size + 31) // 32
+        self.device = device
+        self._host = self._allocate(8)
+        self._bits = torch.arange(32, dtype=torch.int32, device=device)
+
+    def _allocate(self, rows: int) -> torch.Tensor:
+        buffer = torch.zeros((rows, self.num_words), dtype=torch.int32)
+        return buffer.pin_memory() if self.device.type == "cuda" else buffer
+
+    def apply_to(self, logits: torch.Tensor, requests: list[Request]) -> None:
+        """Mutates `logits` (one row per request): masks the constrained requests' rows."""
+        rows, matchers = [], []
+        for row, request in enumerate(requests):
+            if request.structured is not None:
+                assert request.structured.matcher is not None, "scheduled before compiled"
+                rows.append(row)
+                matchers.append(request.structured.matcher)
+        self.apply(logits, rows, matchers)
+
+    def apply(self, logits: torch.Tensor, rows: list[int], matchers: list[GrammarMatcher]) -> None:
+        """Mutates `logits` (num_rows, >= vocab): in each listed row, tokens the row's matcher
+        does not allow become -inf (columns past the vocabulary too)."""
+        if not rows:
+            return
+        if len(rows) > self._host.shape[0]:
+            self._host = self._allocate(max(len(rows), 2 * self._host.shape[0]))
+        host = self._host[: len(rows)]
+        num_bytes = self.num_words * 4
+        for i, matcher in enumerate(matchers):
+            matcher.fill_bitmask(host[i].data_ptr(), num_bytes)
+        words = host.to(self.device, non_blocking=True)  # (k, num_words) int32
+        allowed = (words[:, :, None] >> self._bits) & 1  # (k, num_words, 32)
+        allowed = allowed.view(len(rows), -1)[:, : self.vocab_size].bool()
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        masked = logits[index]
+        masked[:, : self.vocab_size].masked_fill_(~allowed, _MASK)
+        masked[:, self.vocab_size :] = _MASK
+        logits[index] = masked
