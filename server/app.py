@@ -56,7 +56,9 @@ def create_app(engine: AsyncLLM | Callable[[], AsyncLLM], settings: ServerSettin
         cache = loaded.config.cache
         metrics.set_cache_config(cache.block_size, cache.num_blocks, cache.enable_prefix_caching)
         loaded.start(metrics.record)
-        state.serving = ServingContext(loaded, model_name, metrics)
+        state.serving = ServingContext(
+            loaded, model_name, metrics, settings.chat_template, settings.tool_call_parser
+        )
         state.phase = Phase.READY
         logger.info("ready: serving %s", model_name)
 

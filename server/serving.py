@@ -42,6 +42,9 @@ class ServingContext:
     engine: AsyncLLM
     model_name: str
     metrics: ServerMetrics
+    # --chat-template's text (None: the tokenizer's) and --tool-call-parser.
+    chat_template: str | None = None
+    tool_call_parser: str = "hermes"
     _token_text: dict[int, str] = field(default_factory=dict)
     # One thread: long inputs are tokenized one at a time, beside the event loop.
     _tokenizer_thread: ThreadPoolExecutor = field(

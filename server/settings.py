@@ -6,8 +6,9 @@ import enum
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from server.chat_template import load_chat_template
 from server.serving import ServingContext
 
 
@@ -38,11 +39,26 @@ class ServerSettings(BaseModel):
         description="largest accepted request body",
         json_schema_extra={"unit": "bytes"},
     )
+    chat_template: str | None = Field(
+        default=None,
+        description="Jinja chat template, or a file holding one, used instead of the tokenizer's",
+    )
+    tool_call_parser: Literal["hermes", "none"] = Field(
+        default="hermes",
+        description="how tool calls are prompted and read back: hermes (<tool_call> JSON "
+        "blocks) or none (requests with tools are refused)",
+    )
     log_level: Literal["debug", "info", "warning", "error", "critical"] = Field(
         default="info", description="log level"
     )
     log_format: Literal["text", "json"] = Field(default="text", description="log line format")
     log_requests: bool = Field(default=True, description="one log line per finished request")
+
+    @field_validator("chat_template")
+    @classmethod
+    def _load_template(cls, value: str | None) -> str | None:
+        """The template's text: a file's content, or the value itself."""
+        return load_chat_template(value)
 
 
 class Phase(enum.Enum):

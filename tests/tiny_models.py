@@ -71,7 +71,7 @@ def save_byte_tokenizer(path: Path) -> None:
     fast.save_pretrained(path)
 
 
-def make_config(kind: str, vocab_size: int = VOCAB):
+def make_config(kind: str, vocab_size: int = VOCAB, max_positions: int = 512):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(
@@ -81,7 +81,7 @@ def make_config(kind: str, vocab_size: int = VOCAB):
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=max_positions,
         rms_norm_eps=1e-6,
         bos_token_id=1,
         eos_token_id=2,
@@ -115,7 +115,8 @@ def make_tiny_model(kind: str, path: Path, seed: int = 0, byte_level: bool = Fal
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = make_config(kind, BYTE_VOCAB if byte_level else VOCAB)
+    # Byte-level prompts are long (a tool list is a few hundred tokens).
+    config = make_config(kind, *((BYTE_VOCAB, 2048) if byte_level else (VOCAB, 512)))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(path)
     (save_byte_tokenizer if byte_level else save_word_tokenizer)(path)

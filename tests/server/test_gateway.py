@@ -125,7 +125,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools"),
     (
         "/v1/chat/completions",
-        {"messages": USER, "response_format": {"type": "json_object"}},
+        {"messages": USER, "response_format": {"type": "json_schema"}},
         400,
         "response_format",
     ),
