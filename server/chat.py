@@ -146,13 +146,18 @@ def _final_choice(
         "message": message,
         "logprobs": _logprobs(ctx, choice.logprobs) if body.logprobs else None,
         "finish_reason": finish_reason,
-        "stop_reason": choice.stop_reason,
+        "stop_reason": _stop_reason(plan, choice.stop_reason),
     }
 
 
 def _finish_with_calls(finish_reason: str | None) -> str | None:
     """A choice that ended normally after calling tools finished with "tool_calls"."""
     return "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+def _stop_reason(plan: ToolPlan | None, reason: int | str | None) -> int | str | None:
+    """The matched stop, unless it is the plan's own (not something the client asked for)."""
+    return None if plan is not None and reason in plan.stop() else reason
 
 
 async def _stream(
@@ -200,7 +205,8 @@ async def _stream(
                 reason = delta.finish_reason
                 if plan is not None and parsers[choice.index].has_calls:
                     reason = _finish_with_calls(reason)
-                yield chunk(choice.index, {}, finish_reason=reason, stop_reason=delta.stop_reason)
+                stop = _stop_reason(plan, delta.stop_reason)
+                yield chunk(choice.index, {}, finish_reason=reason, stop_reason=stop)
     if include_usage:
         final = chunk(0, {})
         final["choices"] = []

@@ -105,3 +105,14 @@ def test_a_tool_aware_template_gets_tools_and_calls_natively(template_server: Li
     tools_text = 'TOOLS:[{"type": "function", "function": {"name": "f", "parameters": '
     expected = len(httpx.post(f"{url}/tokenize", json={"prompt": tools_text}).json()["tokens"])
     assert with_tools["usage"]["prompt_tokens"] > without["prompt_tokens"] + expected - 3
+
+
+def test_auto_without_parallel_calls_stops_after_the_first_call() -> None:
+    tools = [Tool.model_validate(TOOL)]
+    auto_single = plan_tools(tools, "auto", False, "hermes")
+    assert auto_single is not None and auto_single.stop() == ("</tool_call>",)
+    assert auto_single.constraint() is None  # auto is the model's own choice
+    required = plan_tools(tools, "required", False, "hermes")
+    assert required is not None and required.stop() == ()  # the grammar allows one call
+    assert required.constraint() is not None
+    assert plan_tools(tools, "none", None, "hermes") is None  # tools are not even shown

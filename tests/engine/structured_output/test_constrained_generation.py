@@ -10,6 +10,7 @@ import ctypes
 import json
 import re
 import struct
+import threading
 from pathlib import Path
 
 import jsonschema
@@ -23,6 +24,9 @@ from engine import (
     SamplingParams,
     StructuredOutputsParams,
 )
+from engine.request import Request, RequestStatus
+from engine.structured_output import CompiledGrammar, GrammarKey, StructuredOutputManager
+from engine.structured_output.backend import LLGuidanceBackend
 from engine.worker.grammar_bitmask import GrammarBitmask
 from tests.tiny_models import make_tiny_model
 
@@ -209,3 +213,43 @@ def test_bitmask_masks_exactly_the_forbidden_tokens_of_constrained_rows() -> Non
                 assert logits[row, token] == before[row, token]
             else:
                 assert logits[row, token] == float("-inf"), (row, token)
+
+
+def test_a_request_whose_grammar_compiles_waits_while_others_step(llm: LLM) -> None:
+    """Through EngineCore directly (the front-ends compile before they submit): the step
+    runs the plain request and passes over the compiling one until its grammar is ready."""
+    release = threading.Event()
+    arch = llm.config.model.arch
+    backend = LLGuidanceBackend(llm.tokenizer, arch.vocab_size, arch.eos_token_ids)
+
+    def slow_compile(key: GrammarKey) -> CompiledGrammar:
+        release.wait(timeout=30)
+        return backend.compile(key)
+
+    slow = StructuredOutputManager(lambda: slow_compile)
+    core, saved = llm.core, llm.core.grammars
+    core.grammars = slow
+    try:
+        schema = {**SCHEMA, "title": "compiled-slowly"}
+        params = SamplingParams(
+            temperature=0.0, max_tokens=120, structured_outputs=StructuredOutputsParams(json=schema)
+        )
+        waiting = Request("slow", PROMPTS[0], params, (2,))
+        plain = Request("plain", PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=3))
+        core.add_request(waiting)
+        core.add_request(plain)
+        finished: list[str] = []
+        while not finished:
+            outputs = core.step().outputs
+            assert {out.request_id for out in outputs} <= {"plain"}
+            finished += [out.request_id for out in outputs if out.finished]
+            assert waiting.status is RequestStatus.WAITING_FOR_GRAMMAR
+        release.set()
+        text = []
+        while core.has_unfinished_requests():
+            text += [t for out in core.step().outputs for t in out.new_token_ids]
+        check_valid(llm.tokenizer.decode(text))
+    finally:
+        release.set()
+        core.grammars = saved
+        slow.shutdown()
