@@ -5,9 +5,10 @@ concurrently so the engine batches them, and answers stay short."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from enum import Enum
+from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import httpx
@@ -16,6 +17,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from engine import AsyncLLM, EngineArgs
 from tests.server.live import LiveServer
 
 pytestmark = pytest.mark.slow
@@ -69,6 +71,16 @@ CASES: list[tuple[type[BaseModel], str]] = [
     (Product, "Describe a product in a hardware store with its SKU, price and quantity."),
 ]
 SAMPLINGS = [dict(temperature=0.0), dict(temperature=1.0, seed=1), dict(temperature=1.0, seed=2)]
+
+
+@pytest.fixture(scope="module")
+def default_server(default_model_dir: Path) -> Iterator[LiveServer]:
+    """The default model with a small KV cache (the suite runs several servers)."""
+    args = EngineArgs(
+        model=str(default_model_dir), dtype="float32", max_model_len=1024, kv_cache_memory=512 << 20
+    )
+    with LiveServer(AsyncLLM.from_engine_args(args)) as server:
+        yield server
 
 
 def client(server: LiveServer) -> openai.OpenAI:
