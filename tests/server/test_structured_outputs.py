@@ -229,6 +229,14 @@ BAD = [
     ({"response_format": json_schema_format({"not": {}})}, "response_format", "not"),
     ({"tools": TOOLS, "tool_choice": NAMED_MISSING}, "tool_choice", "nope"),
     ({"tools": [{"type": "function", "function": {}}]}, "tools", "name"),
+    (
+        {
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 1}}}],
+            "tool_choice": "required",
+        },
+        "tools",
+        "type",
+    ),
     ({"tool_choice": "required"}, "tool_choice", "tools"),
     ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format", "tools"),
     (
