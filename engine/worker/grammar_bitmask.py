@@ -25,7 +25,9 @@ class GrammarBitmask:
         self.num_words = (vocab_size + 31) // 32
         self.device = device
         self._host = self._allocate(8)
-        self._bits = torch.arange(32, dtype=torch.int32, device=device)
+        # Bit b of a word as an int32 (bit 31 is the sign bit).
+        bits = [1 << b if b < 31 else -(1 << 31) for b in range(32)]
+        self._bits = torch.tensor(bits, dtype=torch.int32, device=device)
 
     def _allocate(self, rows: int) -> torch.Tensor:
         buffer = torch.zeros((rows, self.num_words), dtype=torch.int32)
@@ -53,10 +55,14 @@ class GrammarBitmask:
         for i, matcher in enumerate(matchers):
             matcher.fill_bitmask(host[i].data_ptr(), num_bytes)
         words = host.to(self.device, non_blocking=True)  # (k, num_words) int32
-        allowed = (words[:, :, None] >> self._bits) & 1  # (k, num_words, 32)
-        allowed = allowed.view(len(rows), -1)[:, : self.vocab_size].bool()
+        forbidden = (words[:, :, None] & self._bits) == 0  # (k, num_words, 32)
+        forbidden = forbidden.view(len(rows), -1)[:, : self.vocab_size]
+        if rows == list(range(logits.shape[0])):  # every row is constrained: in place
+            logits[:, : self.vocab_size].masked_fill_(forbidden, _MASK)
+            logits[:, self.vocab_size :] = _MASK
+            return
         index = torch.tensor(rows, dtype=torch.long, device=logits.device)
         masked = logits[index]
-        masked[:, : self.vocab_size].masked_fill_(~allowed, _MASK)
+        masked[:, : self.vocab_size].masked_fill_(forbidden, _MASK)
         masked[:, self.vocab_size :] = _MASK
         logits[index] = masked

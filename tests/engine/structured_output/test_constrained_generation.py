@@ -200,12 +200,18 @@ class BitsMatcher:
         ctypes.memmove(address, struct.pack(f"<{len(words)}I", *words), num_bytes)
 
 
-def test_bitmask_masks_exactly_the_forbidden_tokens_of_constrained_rows() -> None:
+@pytest.mark.parametrize(
+    "allowed",
+    [{0: [0, 31, 32, 69], 2: [5]}, {0: [1], 1: [30, 31, 63], 2: [64, 69]}],
+    ids=["some-rows", "every-row"],
+)
+def test_bitmask_masks_exactly_the_forbidden_tokens_of_constrained_rows(
+    allowed: dict[int, list[int]],
+) -> None:
     vocab = 70  # not a multiple of 32; logits one column wider, as a padded head may be
     bitmask = GrammarBitmask(vocab, torch.device("cpu"))
     logits = torch.randn(3, vocab + 1)
     before = logits.clone()
-    allowed = {0: [0, 31, 32, 69], 2: [5]}
     bitmask.apply(logits, list(allowed), [BitsMatcher(a) for a in allowed.values()])
     for row in range(3):
         for token in range(vocab + 1):
