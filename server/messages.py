@@ -50,11 +50,12 @@ class ChatMessage(_Strict):
     tool_call_id: str | None = None
 
     def text(self) -> str:
+        """What the model reads: the text (a refusal is what the assistant said)."""
         if self.content is None:
-            return ""
+            return self.refusal or ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text or "" for part in self.content if part.type == "text")
+        return "".join(part.text or part.refusal or "" for part in self.content)
 
 
 def check_messages(messages: list[ChatMessage]) -> None:

@@ -213,6 +213,10 @@ def test_chat_message_shapes_the_sdk_sends(server: LiveServer) -> None:
     ]
     response = chat(server, messages=messages, max_tokens=3, logprobs=True, top_logprobs=2)
     shapes.check_chat(response.model_dump(exclude_unset=True), n_choices=1, logprobs=True)
+    tokens = httpx.post(f"{server.url}/tokenize", json={"messages": messages}).json()["tokens"]
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": tokens}).json()["prompt"]
+    for said in ("Be brief.", "Hi", "I can't.", "No.", "Again?"):
+        assert f"\n{said}</s>" in text
 
 
 def post(server: LiveServer, body: dict[str, Any], path: str = "/v1/chat/completions") -> Any:
