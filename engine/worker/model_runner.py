@@ -139,7 +139,8 @@ class ModelRunner:
         last_tokens = host.qo_indptr[1:][rows].astype(np.int64) - 1
         logits = self.model.compute_logits(hidden[torch.from_numpy(last_tokens).to(self.device)])
         states = [batch.requests[r] for r in rows]
-        self.grammar_bitmask.apply_to(logits, [s.request for s in states])
+        with self.profiler.section("grammar"):
+            self.grammar_bitmask.apply_to(logits, [s.request for s in states])
         sampled = self.sampler(logits, [s.sampling_row() for s in states])
         request_ids = [s.request.request_id for s in states]
         logprobs = {
