@@ -47,7 +47,11 @@ class _Pending(Exception):
 
 
 class _NotACall(Exception):
-    """The block is not a call (it becomes content)."""
+    """The block is not a call (it becomes content); `at` is where reading stopped."""
+
+    def __init__(self, at: int = 0) -> None:
+        super().__init__(at)
+        self.at = at
 
 
 def parse(text: str, final: bool) -> Parsed:
@@ -60,17 +64,24 @@ def parse(text: str, final: bool) -> Parsed:
         if start < 0:
             segments.append(text[pos:] if final else _without_partial_tag(text[pos:]))
             break
-        end = text.find(CLOSE, start + len(OPEN))
-        body = text[start + len(OPEN) : len(text) if end < 0 else end]
-        block_end = len(text) if end < 0 else end + len(CLOSE)
+        body = start + len(OPEN)
+        call: ParsedCall | None
         try:
-            calls.append(_read_call(body, complete=final or end >= 0))
-            segments += [text[pos:start], None]
+            call, read = _read_call(text[body:], final)
         except _Pending:
             segments.append(text[pos:start])
             break
-        except _NotACall:
+        except _NotACall as failed:
+            call, read = None, failed.at
+        # The block ends at the first CLOSE after what was read (one inside a JSON string of
+        # the call is the call's text, not its end).
+        end = text.find(CLOSE, body + read)
+        block_end = len(text) if end < 0 else end + len(CLOSE)
+        if call is None:
             segments.append(text[pos:block_end])
+        else:
+            calls.append(call)
+            segments += [text[pos:start], None]
         if end < 0:
             break
         pos = block_end
@@ -106,26 +117,29 @@ def _content(segments: list[str | None], final: bool) -> str:
     return "".join(pieces)
 
 
-def _read_call(body: str, complete: bool) -> ParsedCall:
-    """The call in a block's body; raises _Pending or _NotACall.
+def _read_call(body: str, final: bool) -> tuple[ParsedCall, int]:
+    """The call at the start of a block's body, and how far into the body it was read;
+    raises _Pending or _NotACall.
 
     Once the name has been read the block is a call, whatever follows (the decision never
     changes as the text grows); before that, a block that breaks JSON is content."""
     scanner = _ObjectScanner(body)
+    complete = True
     try:
         scanner.fields()
     except _Pending:
-        if not complete and not isinstance(scanner.found.get("name"), str):
+        complete = final
+        if not final and not isinstance(scanner.found.get("name"), str):
             raise
     except _NotACall:
-        pass
+        pass  # what follows the break cannot change what was read before it
     name = scanner.found.get("name")
     if not isinstance(name, str):
-        raise _NotACall
+        raise _NotACall(scanner.i)
     arguments = scanner.raw.get("arguments", scanner.raw.get("parameters"))
     if arguments is None:
         arguments = "{}" if complete else ""
-    return ParsedCall(name, arguments)
+    return ParsedCall(name, arguments), scanner.i
 
 
 class _ObjectScanner:

@@ -24,6 +24,11 @@ TEXTS = {
     "name-not-a-string": '<tool_call>{"name": 5}</tool_call>x',
     "junk-after-the-object": 'a <tool_call>{"name":"f"} junk</tool_call> b',
     "unicode": '<tool_call>{"name": "f", "parameters": {"ville": "Besançon ✓"}}</tool_call>',
+    # Seen from the default model: a closing tag inside a string is part of the arguments.
+    "close-tag-in-a-string": (
+        '<tool_call>\n{"name":"t","arguments":{"tz":"UTC}}</tool_call>Bien"}}\n</tool_call> ok'
+    ),
+    "empty-block": "<tool_call></tool_call> x",
 }
 EXPECTED = {
     "content-call-content": ("Sure. Done", [("f", '{"a": 1, "s": "x}y\\"z"}')]),
@@ -35,6 +40,8 @@ EXPECTED = {
     "name-not-a-string": ('<tool_call>{"name": 5}</tool_call>x', []),
     "junk-after-the-object": ("a b", [("f", "{}")]),
     "unicode": ("", [("f", '{"ville": "Besançon ✓"}')]),
+    "close-tag-in-a-string": ("ok", [("t", '{"tz":"UTC}}</tool_call>Bien"}')]),
+    "empty-block": ("<tool_call></tool_call> x", []),
 }
 
 
