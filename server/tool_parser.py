@@ -124,11 +124,11 @@ def _read_call(body: str, final: bool) -> tuple[ParsedCall, int]:
     Once the name has been read the block is a call, whatever follows (the decision never
     changes as the text grows); before that, a block that breaks JSON is content."""
     scanner = _ObjectScanner(body)
-    complete = True
+    read_whole = True
     try:
         scanner.fields()
     except _Pending:
-        complete = final
+        read_whole = False
         if not final and not isinstance(scanner.found.get("name"), str):
             raise
     except _NotACall:
@@ -138,7 +138,8 @@ def _read_call(body: str, final: bool) -> tuple[ParsedCall, int]:
         raise _NotACall(scanner.i)
     arguments = scanner.raw.get("arguments", scanner.raw.get("parameters"))
     if arguments is None:
-        arguments = "{}" if complete else ""
+        # A whole call without arguments takes none; a cut-off one has shown none yet.
+        arguments = "{}" if read_whole else ""
     return ParsedCall(name, arguments), scanner.i
 
 

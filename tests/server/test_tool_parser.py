@@ -29,6 +29,7 @@ TEXTS = {
         '<tool_call>\n{"name":"t","arguments":{"tz":"UTC}}</tool_call>Bien"}}\n</tool_call> ok'
     ),
     "empty-block": "<tool_call></tool_call> x",
+    "cut-before-arguments": 'x <tool_call>{"name": "f", "argu',
 }
 EXPECTED = {
     "content-call-content": ("Sure. Done", [("f", '{"a": 1, "s": "x}y\\"z"}')]),
@@ -42,6 +43,7 @@ EXPECTED = {
     "unicode": ("", [("f", '{"ville": "Besançon ✓"}')]),
     "close-tag-in-a-string": ("ok", [("t", '{"tz":"UTC}}</tool_call>Bien"}')]),
     "empty-block": ("<tool_call></tool_call> x", []),
+    "cut-before-arguments": ("x", [("f", "")]),
 }
 
 
