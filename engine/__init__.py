@@ -35,6 +35,7 @@ from engine.outputs import (
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler.output import SchedulerStats
 from engine.streams import RequestStream
+from engine.structured_output.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM, StatsListener
@@ -70,6 +71,7 @@ __all__ = [
     "SamplingParams",
     "SchedulerStats",
     "StatsListener",
+    "StructuredOutputsParams",
     "describe_setup",
     "prepare_default_model",
 ]

@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import EngineArgs, EngineConfig, EngineHooks, load_tokenizer
+from engine.config import EngineArgs, EngineConfig, EngineHooks
 from engine.core import EngineCore
 from engine.errors import EngineClosedError, EngineDeadError, RequestValidationError
 from engine.introspection import EngineMonitor, EngineView
@@ -84,7 +84,7 @@ class AsyncLLM:
     def from_engine_args(cls, args: EngineArgs, hooks: EngineHooks | None = None) -> AsyncLLM:
         """Loads the model (blocking: run it in a thread from async code)."""
         core = EngineCore.from_args(args, hooks)
-        return cls(core, load_tokenizer(core.config.model))
+        return cls(core, core.tokenizer)
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -106,6 +106,7 @@ class AsyncLLM:
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self._step is not None:
             await asyncio.gather(asyncio.wrap_future(self._step), return_exceptions=True)
+        self.core.shutdown()
 
     def close(self, reason: str) -> None:
         """Cuts off every open request and refuses new ones: their streams, and later
@@ -150,7 +151,9 @@ class AsyncLLM:
         says) until it finishes. Closing the stream early aborts every choice.
 
         Raises RequestValidationError for a prompt that can never run, EngineDeadError once
-        the loop has failed.
+        the loop has failed. An output constraint compiles on the grammar threads while the
+        request waits; one that cannot compile ends its choices with "abort", so a caller that
+        must know first (to answer with a 400) awaits check_constraints() before this.
         """
         if self.error is not None:
             raise EngineDeadError(f"the engine loop has failed: {self.error!r}")
@@ -171,6 +174,18 @@ class AsyncLLM:
                 self.abort(request_id)
 
         return RequestStream(request_id, collector, release)
+
+    async def check_constraints(self, params: SamplingParams) -> None:
+        """Compiles the output constraint of `params` on the grammar threads (cached), so
+        the event loop stays free; raises RequestValidationError for one that cannot
+        compile. The gateway awaits it before generate(), to answer a bad constraint with
+        a 400 rather than an aborted stream."""
+        constraint = params.structured_outputs
+        if constraint is None:
+            return
+        if self.core.grammars is None:
+            raise RequestValidationError("this engine has no grammar engine", "structured_outputs")
+        await asyncio.wrap_future(self.core.grammars.compile(constraint))
 
     def abort(self, request_id: str) -> None:
         """Asks the loop to end a request; unknown or finished ids are ignored."""

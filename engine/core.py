@@ -1,7 +1,8 @@
 """EngineCore: one scheduling step at a time. Not thread-safe; the caller serialises.
 
-`EngineCore.from_args` is where the parts are wired: the model's configuration, the worker
-(device, weights, KV cache size, model runner), and the scheduler over its KV cache manager.
+`EngineCore.from_args` is where the parts are wired: the model's configuration and tokenizer,
+the worker (device, weights, KV cache size, model runner), the scheduler over its KV cache
+manager, and the structured-output manager that compiles request grammars.
 """
 
 from __future__ import annotations
@@ -9,21 +10,28 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from concurrent.futures import FIRST_COMPLETED, wait
+from typing import Any
 
 from engine.config import (
     CacheConfig,
     EngineArgs,
     EngineConfig,
     EngineHooks,
+    load_tokenizer,
     resolve_model_config,
     resolve_scheduler_config,
 )
+from engine.errors import RequestValidationError
 from engine.kv_cache import KVCacheManager
-from engine.request import Request
+from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler, SchedulerStats, StepResult
+from engine.structured_output import StructuredOutputManager
 from engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+# With nothing to run but requests whose grammars compile, a step waits this long for one.
+GRAMMAR_WAIT_S = 0.05
 
 
 class EngineCore:
@@ -33,11 +41,16 @@ class EngineCore:
         runner: ModelRunner,
         config: EngineConfig,
         hooks: EngineHooks | None = None,
+        tokenizer: Any = None,
+        grammars: StructuredOutputManager | None = None,
     ) -> None:
+        """Without `grammars`, constrained requests are refused."""
         self.scheduler = scheduler
         self.runner = runner
         self.config = config
         self.hooks = hooks or EngineHooks()
+        self.tokenizer = tokenizer
+        self.grammars = grammars
         self.num_steps = 0
 
     @classmethod
@@ -65,13 +78,26 @@ class EngineCore:
         kv_manager = KVCacheManager(
             cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
-        return cls(Scheduler(scheduler_config, kv_manager), runner, config, hooks)
+        tokenizer = load_tokenizer(model_config)
+        arch = model_config.arch
+        grammars = StructuredOutputManager.for_tokenizer(
+            tokenizer, arch.vocab_size, arch.eos_token_ids
+        )
+        scheduler = Scheduler(scheduler_config, kv_manager)
+        return cls(scheduler, runner, config, hooks, tokenizer, grammars)
 
     def add_request(self, request: Request) -> None:
         """Queues one engine request (one choice: n == 1). Raises RequestValidationError for
         a request that can never run."""
         if request.sampling_params.n != 1:
             raise ValueError("EngineCore takes n=1 requests; fan out with SamplingParams.for_child")
+        constraint = request.sampling_params.structured_outputs
+        if constraint is not None:
+            if self.grammars is None:
+                raise RequestValidationError(
+                    "this engine has no grammar engine", "structured_outputs"
+                )
+            request.structured = self.grammars.request_grammar(constraint)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
@@ -93,9 +119,26 @@ class EngineCore:
         if self.hooks.step_delay:
             time.sleep(self.hooks.step_delay)
         scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.scheduled:
+            self._wait_for_grammars()
         runner_output = self.runner.execute(scheduler_output)
         result = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self.hooks.check_invariants:
             self.scheduler.kv_cache.check_invariants()
         self.num_steps += 1
         return result
+
+    def _wait_for_grammars(self) -> None:
+        """Nothing could run because the waiting requests' grammars are still compiling:
+        sleep on them briefly instead of spinning (the caller comes back between waits)."""
+        compiling = [
+            r.structured.compiled
+            for r in self.scheduler.waiting
+            if r.structured is not None and r.status is RequestStatus.WAITING_FOR_GRAMMAR
+        ]
+        if compiling:
+            wait(compiling, timeout=GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
+
+    def shutdown(self) -> None:
+        if self.grammars is not None:
+            self.grammars.shutdown()

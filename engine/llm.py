@@ -12,7 +12,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from engine.config import EngineArgs, EngineHooks, load_tokenizer
+from engine.config import EngineArgs, EngineHooks
 from engine.core import EngineCore
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
@@ -30,7 +30,7 @@ class LLM:
     ) -> None:
         self.core = EngineCore.from_args(EngineArgs(model=model, **kwargs), hooks)
         self.config = self.core.config
-        self.tokenizer = load_tokenizer(self.config.model)
+        self.tokenizer = self.core.tokenizer
         self._processor = OutputProcessor(self.tokenizer, self.config.model.arch.eos_token_ids)
         self._next_id = 0
 
@@ -43,6 +43,7 @@ class LLM:
         """Runs every prompt to completion; outputs come back in input order."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
+        self._compile_constraints(params_list)
         order = []
         for prompt, params in zip(prompt_list, params_list, strict=True):
             request_id = str(self._next_id)
@@ -63,6 +64,13 @@ class LLM:
                     results[output.request_id] = output
                     progress.update()
         return [results[request_id] for request_id in order]
+
+    def _compile_constraints(self, params_list: list[SamplingParams]) -> None:
+        """Raises RequestValidationError for a constraint that cannot compile, before any
+        request is queued."""
+        for params in params_list:
+            if params.structured_outputs is not None and self.core.grammars is not None:
+                self.core.grammars.compile(params.structured_outputs).result()
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

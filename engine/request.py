@@ -8,10 +8,13 @@ from dataclasses import dataclass, field
 
 from engine.kv_cache.block import BlockHash
 from engine.sampling_params import SamplingParams
+from engine.structured_output.request import StructuredOutputRequest
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    # Queued, but its grammar is still compiling: the scheduler passes over it.
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"
@@ -41,7 +44,8 @@ class Request:
 
     There are no prefill or decode phases: each step moves `num_computed_tokens` (tokens
     whose KV is in the cache) towards `num_tokens`. `block_hashes` holds the chained hash
-    of every full block of `all_token_ids`, extended by the KV cache manager.
+    of every full block of `all_token_ids`, extended by the KV cache manager. `structured`
+    carries the grammar state of a constrained request.
     """
 
     request_id: str
@@ -62,6 +66,8 @@ class Request:
     # Highest prompt index whose logprob has been sent (survives preemption).
     num_prompt_logprobs_sent: int = 0
     block_hashes: list[BlockHash] = field(default_factory=list)
+    # Set by the engine core when the request has an output constraint.
+    structured: StructuredOutputRequest | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, replace
 
 from engine.errors import RequestValidationError
+from engine.structured_output.params import StructuredOutputsParams
 
 # Sampling with temperature below this is treated as greedy, as vLLM does.
 GREEDY_EPSILON = 1e-5
@@ -26,7 +27,10 @@ class SamplingParams:
     `top_k <= 0` and `top_p == 1.0` disable those filters. `logprobs` is the number of
     top alternatives returned beside the sampled token (None: no logprobs at all).
     `stop` strings are matched on detokenized text by the output processor, not by the
-    scheduler. Invalid values raise RequestValidationError naming the field.
+    scheduler. `structured_outputs` constrains the output to a grammar (a JSON schema, a
+    regex, ...): every sampling mode then draws only tokens the grammar allows, and the
+    request ends ("stop") once the grammar is complete. Invalid values raise
+    RequestValidationError naming the field.
     """
 
     n: int = 1
@@ -48,6 +52,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:

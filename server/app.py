@@ -81,7 +81,14 @@ def create_app(engine: AsyncLLM | Callable[[], AsyncLLM], settings: ServerSettin
         )
         admission = Admission(loaded, limits, metrics.count_rejection)
         loaded.start(metrics.record)
-        state.serving = ServingContext(loaded, model_name, metrics, admission)
+        state.serving = ServingContext(
+            loaded,
+            model_name,
+            metrics,
+            admission,
+            chat_template=settings.chat_template,
+            tool_call_parser=settings.tool_call_parser,
+        )
         state.phase = Phase.READY
         logger.info("ready: serving %s", model_name)
 

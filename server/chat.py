@@ -1,4 +1,4 @@
-"""POST /v1/chat/completions."""
+"""POST /v1/chat/completions: templates, output constraints, tool calls, SSE chunks."""
 
 from __future__ import annotations
 
@@ -6,9 +6,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from engine import Logprobs
+from server.chat_template import conversation, supports_tools
 from server.errors import OpenAIError
+from server.messages import ChatMessage
 from server.params import sampling_params
-from server.protocol import ChatCompletionRequest, ChatMessage
+from server.protocol import ChatCompletionRequest
 from server.serving import (
     Caller,
     Choice,
@@ -21,6 +23,14 @@ from server.serving import (
     stream_outputs,
     usage,
 )
+from server.structured import (
+    Constraint,
+    check_constraint,
+    from_response_format,
+    from_structured_outputs,
+)
+from server.tool_parser import ToolCallStream, parse, tool_call_dicts
+from server.tools import ToolPlan, plan_tools
 
 
 async def render_chat(
@@ -28,23 +38,27 @@ async def render_chat(
     messages: list[ChatMessage],
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    tools: ToolPlan | None = None,
 ) -> list[int]:
-    """Applies the tokenizer's chat template and tokenizes the result (off the event loop
-    for long conversations)."""
-    if not getattr(ctx.tokenizer, "chat_template", None):
+    """Applies the chat template (--chat-template, else the tokenizer's) and tokenizes the
+    result (off the event loop for long conversations)."""
+    template = ctx.chat_template or getattr(ctx.tokenizer, "chat_template", None)
+    if not template:
         raise OpenAIError(400, "this model has no chat template; use /v1/completions", "messages")
-    conversation = [
-        {"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {})
-        for m in messages
-    ]
+    native = supports_tools(template)
+    turns = conversation(messages, tools, native)
+    extra: dict[str, Any] = {"chat_template": ctx.chat_template} if ctx.chat_template else {}
+    if native and tools is not None:
+        extra["tools"] = [t.model_dump(exclude_none=True) for t in tools.tools]
 
     def render() -> list[int]:
         try:
             text = ctx.tokenizer.apply_chat_template(
-                conversation,
+                turns,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
+                **extra,
             )
         except Exception as exc:  # a template may raise on a conversation it does not accept
             raise OpenAIError(
@@ -52,53 +66,100 @@ async def render_chat(
             ) from None
         return list(ctx.tokenizer.encode(text, add_special_tokens=False))
 
-    size = sum(len(m["content"]) for m in conversation)
+    size = sum(len(str(t["content"])) for t in turns)
     return await ctx.tokenizer_call(size, render)
 
 
-def _logprob_entries(ctx: ServingContext, entries: list[Logprobs]) -> list[dict[str, Any]]:
+def _logprobs(ctx: ServingContext, entries: list[Logprobs]) -> dict[str, Any]:
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
         text = ctx.token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
-    return [
+    content = [
         entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top]}
         for lp in entries
     ]
+    return {"content": content, "refusal": None}
+
+
+def _constraint(body: ChatCompletionRequest, plan: ToolPlan | None) -> Constraint | None:
+    """The output constraint: from response_format or structured_outputs, or the tools'
+    grammar (the two cannot be combined)."""
+    if body.structured_outputs is not None:
+        constraint = from_structured_outputs(body.structured_outputs)
+    elif body.response_format is not None:
+        constraint = from_response_format(body.response_format)
+    else:
+        constraint = None
+    if plan is None:
+        return constraint
+    if constraint is not None:
+        raise OpenAIError(
+            400, f"{constraint.param} cannot be combined with tools", constraint.param
+        )
+    return plan.constraint()
 
 
 async def create_chat_completion(
     ctx: ServingContext, body: ChatCompletionRequest, caller: Caller
 ) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
+    plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, ctx.tool_call_parser)
+    constraint = _constraint(body, plan)
     prompt = await render_chat(
         ctx,
         body.messages,
         add_generation_prompt=body.add_generation_prompt is not False
         and not body.continue_final_message,
         continue_final_message=bool(body.continue_final_message),
+        tools=plan,
     )
-    params = sampling_params(body, len(prompt), ctx.max_model_len, ctx.vocab_size)
+    params = sampling_params(
+        body,
+        len(prompt),
+        ctx.max_model_len,
+        ctx.vocab_size,
+        constraint=None if constraint is None else constraint.params,
+        extra_stop=() if plan is None else plan.stop(),
+    )
+    await check_constraint(ctx, params, constraint)
     runs = make_runs([prompt], [params])
     caller.reserve_tokens(runs, "messages")
     response_id = f"chatcmpl-{caller.request_id}"
     if body.stream:
-        return _stream(ctx, body, runs, caller, response_id)
+        return _stream(ctx, body, runs, caller, response_id, plan)
     await run_to_completion(ctx, runs, caller, body.cache_salt, body.user)
-    choices = [_final_choice(ctx, body, c) for c in runs[0].choices]
+    choices = [_final_choice(ctx, body, c, plan) for c in runs[0].choices]
     return response_body(ctx, response_id, "chat.completion", choices, runs)
 
 
 def _final_choice(
-    ctx: ServingContext, body: ChatCompletionRequest, choice: Choice
+    ctx: ServingContext, body: ChatCompletionRequest, choice: Choice, plan: ToolPlan | None
 ) -> dict[str, Any]:
-    logprobs = {"content": _logprob_entries(ctx, choice.logprobs)} if body.logprobs else None
+    message: dict[str, Any] = {"role": "assistant", "content": choice.text, "refusal": None}
+    finish_reason = choice.finish_reason
+    if plan is not None:
+        parsed = parse(choice.text, final=True)
+        if parsed.calls:
+            message["content"] = parsed.content or None
+            message["tool_calls"] = tool_call_dicts(parsed.calls)
+            finish_reason = _finish_with_calls(finish_reason)
     return {
         "index": choice.index,
-        "message": {"role": "assistant", "content": choice.text},
-        "logprobs": logprobs,
-        "finish_reason": choice.finish_reason,
-        "stop_reason": choice.stop_reason,
+        "message": message,
+        "logprobs": _logprobs(ctx, choice.logprobs) if body.logprobs else None,
+        "finish_reason": finish_reason,
+        "stop_reason": _stop_reason(plan, choice.stop_reason),
     }
+
+
+def _finish_with_calls(finish_reason: str | None) -> str | None:
+    """A choice that ended normally after calling tools finished with "tool_calls"."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+def _stop_reason(plan: ToolPlan | None, reason: int | str | None) -> int | str | None:
+    """The matched stop, unless it is the plan's own (not something the client asked for)."""
+    return None if plan is not None and reason in plan.stop() else reason
 
 
 async def _stream(
@@ -107,6 +168,7 @@ async def _stream(
     runs: list[PromptRun],
     caller: Caller,
     response_id: str,
+    plan: ToolPlan | None,
 ) -> AsyncIterator[dict[str, Any]]:
     created = now()
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -126,21 +188,27 @@ async def _stream(
 
     # The role comes first, in its own chunk per choice, as OpenAI sends it.
     for choice in runs[0].choices:
-        yield chunk(choice.index, {"role": "assistant", "content": ""})
+        yield chunk(choice.index, {"role": "assistant", "content": "", "refusal": None})
+    parsers = {c.index: ToolCallStream() for c in runs[0].choices} if plan is not None else {}
     outputs = stream_outputs(ctx, runs, caller, body.cache_salt, body.user)
     async for run, output in outputs:
         for choice, delta in run.fold(output):
-            entries = delta.logprobs or []
-            logprobs = {"content": _logprob_entries(ctx, entries)} if body.logprobs else None
-            if delta.text or logprobs:
-                yield chunk(choice.index, {"content": delta.text}, logprobs=logprobs)
-            if delta.finish_reason is not None:
-                yield chunk(
-                    choice.index,
-                    {},
-                    finish_reason=delta.finish_reason,
-                    stop_reason=delta.stop_reason,
-                )
+            logprobs = _logprobs(ctx, delta.logprobs or []) if body.logprobs else None
+            finished = delta.finish_reason is not None
+            if plan is None:
+                deltas = [{"content": delta.text}] if delta.text or logprobs else []
+            else:
+                deltas = parsers[choice.index].deltas(choice.text, finished)
+                if logprobs is not None and not deltas:
+                    deltas = [{}]
+            for i, piece in enumerate(deltas):
+                yield chunk(choice.index, piece, logprobs=logprobs if i == 0 else None)
+            if finished:
+                reason = delta.finish_reason
+                if plan is not None and parsers[choice.index].has_calls:
+                    reason = _finish_with_calls(reason)
+                stop = _stop_reason(plan, delta.stop_reason)
+                yield chunk(choice.index, {}, finish_reason=reason, stop_reason=stop)
     if include_usage:
         final = chunk(0, {})
         final["choices"] = []

@@ -21,6 +21,7 @@ from server.serving import (
     stream_outputs,
     usage,
 )
+from server.structured import check_constraint, from_structured_outputs
 
 
 def prompt_batch(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
@@ -100,7 +101,14 @@ async def create_completion(
     ctx: ServingContext, body: CompletionRequest, caller: Caller
 ) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
     prompts = await tokenize_prompts(ctx, body.prompt)
-    params = [sampling_params(body, len(p), ctx.max_model_len, ctx.vocab_size) for p in prompts]
+    so = body.structured_outputs
+    constraint = None if so is None else from_structured_outputs(so)
+    engine_constraint = None if constraint is None else constraint.params
+    params = [
+        sampling_params(body, len(p), ctx.max_model_len, ctx.vocab_size, engine_constraint)
+        for p in prompts
+    ]
+    await check_constraint(ctx, params[0], constraint)
     runs = make_runs(prompts, params)
     caller.reserve_tokens(runs, "prompt")
     response_id = f"cmpl-{caller.request_id}"

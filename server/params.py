@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from engine import RequestOutputKind, RequestValidationError, SamplingParams
+from engine import (
+    RequestOutputKind,
+    RequestValidationError,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from server.errors import OpenAIError
 from server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
@@ -49,9 +54,12 @@ def sampling_params(
     prompt_len: int,
     max_model_len: int,
     vocab_size: int,
+    constraint: StructuredOutputsParams | None = None,
+    extra_stop: tuple[str, ...] = (),
 ) -> SamplingParams:
     """Validates every sampling field; the first bad one becomes a 400 naming it. Streams get
-    DELTA outputs, other requests one final output."""
+    DELTA outputs, other requests one final output. `constraint` and `extra_stop` come from
+    the request's other fields (response_format, tools)."""
     if isinstance(body, ChatCompletionRequest):
         max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -81,7 +89,7 @@ def sampling_params(
         "ignore_eos": body.ignore_eos,
         "skip_special_tokens": body.skip_special_tokens,
         "include_stop_str_in_output": body.include_stop_str_in_output,
-        "stop": [body.stop] if isinstance(body.stop, str) else body.stop,
+        "stop": _stop(body.stop, extra_stop),
         "stop_token_ids": body.stop_token_ids,
     }
     given = {k: v for k, v in fields.items() if v is not None}
@@ -93,10 +101,16 @@ def sampling_params(
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             logit_bias=_logit_bias(body, vocab_size),
+            structured_outputs=constraint,
             output_kind=kind,
         )
     except RequestValidationError as exc:
         raise OpenAIError(400, str(exc), _openai_param(body, exc.param)) from None
+
+
+def _stop(stop: str | list[str] | None, extra: tuple[str, ...]) -> list[str] | None:
+    given = [stop] if isinstance(stop, str) else list(stop or [])
+    return given + list(extra) if given or extra else None
 
 
 def _openai_param(body: CompletionRequest | ChatCompletionRequest, param: str | None) -> str | None:

@@ -8,11 +8,14 @@ silently converted, and floats must be finite.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from server.errors import OpenAIError
+from server.messages import ChatMessage, check_messages
+from server.structured import ResponseFormat, StructuredOutputFields
+from server.tools import Tool, ToolChoice
 
 
 class _Strict(BaseModel):
@@ -31,7 +34,7 @@ def _unsupported(body: BaseModel, defaults: dict[str, Any]) -> None:
             raise OpenAIError(400, f"`{name}` is not supported by this server", param=name)
 
 
-class SamplingFields(_Strict):
+class SamplingFields(StructuredOutputFields, _Strict):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -70,6 +73,7 @@ class SamplingFields(_Strict):
                 "continuous_usage_stats is not supported",
                 "stream_options.continuous_usage_stats",
             )
+        self.check_removed_fields()
         return self
 
 
@@ -86,36 +90,18 @@ class CompletionRequest(SamplingFields):
         return self
 
 
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    # Known OpenAI fields that we do not implement: rejected unless default.
-    tools: list[Any] | None = None
-    tool_choice: Any | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    # Known OpenAI fields that we do not implement: rejected unless default.
     functions: list[Any] | None = None
     function_call: Any | None = None
-    response_format: dict[str, Any] | None = None
     audio: Any | None = None
     modalities: list[str] | None = None
     prediction: Any | None = None
@@ -133,12 +119,8 @@ class ChatCompletionRequest(SamplingFields):
         _unsupported(
             self,
             {
-                "tools": ([],),
-                "tool_choice": ("none",),
-                "parallel_tool_calls": (True,),
                 "functions": ([],),
                 "function_call": ("none",),
-                "response_format": ({"type": "text"},),
                 "audio": (),
                 "modalities": (["text"],),
                 "prediction": (),
@@ -149,6 +131,11 @@ class ChatCompletionRequest(SamplingFields):
                 "web_search_options": (),
             },
         )
+        check_messages(self.messages)
+        if self.response_format is not None and self.structured_outputs is not None:
+            raise OpenAIError(
+                400, "set response_format or structured_outputs, not both", "structured_outputs"
+            )
         if self.top_logprobs is not None and not self.logprobs:
             raise OpenAIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
@@ -175,6 +162,8 @@ class TokenizeRequest(_Strict):
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise OpenAIError(400, "give exactly one of prompt or messages", "prompt")
+        if self.messages is not None:
+            check_messages(self.messages)
         return self
 
 

@@ -47,6 +47,9 @@ class ServingContext:
     model_name: str
     metrics: ServerMetrics
     admission: Admission
+    # --chat-template's text (None: the tokenizer's) and --tool-call-parser.
+    chat_template: str | None = None
+    tool_call_parser: str = "hermes"
     _token_text: dict[int, str] = field(default_factory=dict)
     # One thread: long inputs are tokenized one at a time, beside the event loop.
     _tokenizer_thread: ThreadPoolExecutor = field(

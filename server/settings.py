@@ -6,8 +6,9 @@ import enum
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from server.chat_template import load_chat_template
 from server.serving import ServingContext
 from server.tenants import KeyRing, TenantConcurrency
 
@@ -66,6 +67,15 @@ class ServerSettings(BaseModel):
         description="largest accepted request body",
         json_schema_extra={"unit": "bytes"},
     )
+    chat_template: str | None = Field(
+        default=None,
+        description="Jinja chat template, or a file holding one, used instead of the tokenizer's",
+    )
+    tool_call_parser: Literal["hermes", "none"] = Field(
+        default="hermes",
+        description="how tool calls are prompted and read back: hermes (<tool_call> JSON "
+        "blocks) or none (requests with tools are refused)",
+    )
     log_level: Literal["debug", "info", "warning", "error", "critical"] = Field(
         default="info", description="log level"
     )
@@ -74,6 +84,12 @@ class ServerSettings(BaseModel):
     disable_dashboard: bool = Field(
         default=False, description="turn off the live engine view, /dashboard and its events"
     )
+
+    @field_validator("chat_template")
+    @classmethod
+    def _load_template(cls, value: str | None) -> str | None:
+        """The template's text: a file's content, or the value itself."""
+        return load_chat_template(value)
 
 
 class Phase(enum.Enum):

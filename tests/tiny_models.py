@@ -7,6 +7,14 @@ from pathlib import Path
 import torch
 
 VOCAB = 256
+# Byte-level BPE (save_byte_tokenizer): it can spell any text, JSON included.
+BYTE_VOCAB = 512
+_CORPUS = (
+    '{"name": "Ada", "age": 36, "tags": ["math", "engine"], "ok": true, "none": null}\n'
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    "The quick brown fox jumps over the lazy dog. 0123456789 -+.,:;!?()[]{}<>/\\'\"_=*&%$#@\n"
+    "Structured outputs constrain what a model may write: objects, arrays, strings, numbers.\n"
+)
 
 
 def save_word_tokenizer(path: Path) -> None:
@@ -32,17 +40,48 @@ def save_word_tokenizer(path: Path) -> None:
     fast.save_pretrained(path)
 
 
-def make_config(kind: str):
+def save_byte_tokenizer(path: Path) -> None:
+    """A byte-level BPE of BYTE_VOCAB tokens trained on a small corpus: <unk>, <s>, </s>
+    (EOS), the 256 byte tokens, merges, then plain filler tokens up to BYTE_VOCAB.
+
+    Chat turns are "<s>ROLE\nCONTENT</s>\n"; the template has no tool support.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=BYTE_VOCAB,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_CORPUS] * 4, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    fast.add_tokens([f"filler{i}" for i in range(BYTE_VOCAB - len(fast))])
+    assert len(fast) == BYTE_VOCAB
+    fast.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+    )
+    fast.save_pretrained(path)
+
+
+def make_config(kind: str, vocab_size: int = VOCAB, max_positions: int = 512):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(
-        vocab_size=VOCAB,
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=max_positions,
         rms_norm_eps=1e-6,
         bos_token_id=1,
         eos_token_id=2,
@@ -70,17 +109,21 @@ def make_config(kind: str):
     raise ValueError(kind)
 
 
-def make_tiny_model(kind: str, path: Path, seed: int = 0, **overrides: object) -> Path:
-    """Saves a random-weight model of `kind` (llama, llama3-rope, qwen2, qwen3) to `path`;
+def make_tiny_model(
+    kind: str, path: Path, seed: int = 0, byte_level: bool = False, **overrides: object
+) -> Path:
+    """Saves a random-weight model of `kind` (llama, llama3-rope, qwen2, qwen3) to `path`,
+    with the word-level tokenizer, or with the byte-level one when `byte_level`;
     `overrides` change its config (e.g. hidden_size=256, head_dim=64)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = make_config(kind)
+    # Byte-level prompts are long (a tool list is a few hundred tokens).
+    config = make_config(kind, *((BYTE_VOCAB, 2048) if byte_level else (VOCAB, 512)))
     config.update(overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(path)
-    save_word_tokenizer(path)
+    (save_byte_tokenizer if byte_level else save_word_tokenizer)(path)
     return path
 
 

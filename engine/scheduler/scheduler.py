@@ -44,6 +44,7 @@ class Scheduler:
         self.total_preemptions = 0
         self._last_queries = 0
         self._last_hits = 0
+        self._failed: list[EngineCoreOutput] = []
 
     # ---- between steps -------------------------------------------------------------
 
@@ -58,6 +59,8 @@ class Scheduler:
                 f"{self.config.max_model_len}, which leaves no room to generate",
                 "prompt",
             )
+        if request.structured is not None and not request.structured.ready():
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.waiting.append(request)
         self.requests[request.request_id] = request
 
@@ -110,20 +113,43 @@ class Scheduler:
             budget -= num_new
             i += 1
 
+        # Requests whose grammar is still compiling step aside; they keep their place.
+        skipped: deque[Request] = deque()
         while (
             not preempted
             and self.waiting
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
         ):
+            head = self.waiting[0]
+            if head.status is RequestStatus.WAITING_FOR_GRAMMAR and not self._grammar_ready(head):
+                self.waiting.popleft()
+                if not head.is_finished:
+                    skipped.append(head)
+                continue
             entry = self._admit(self.waiting[0], budget)
             if entry is None:
                 break
             scheduled.append(entry)
             budget -= entry.num_new_tokens
+        self.waiting.extendleft(reversed(skipped))
 
         finished, self._finished_ids = self._finished_ids, set()
         return SchedulerOutput(scheduled, finished)
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """False while the request's grammar compiles. One that failed to compile ends the
+        request as aborted (the gateway compiles before it submits, so only a direct engine
+        caller meets this); its output goes out with the step's."""
+        assert request.structured is not None
+        if not request.structured.ready():
+            return False
+        if request.structured.error is not None:
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            self._failed.append(EngineCoreOutput(request.request_id, [], finish_reason="abort"))
+            return False
+        request.status = RequestStatus.WAITING
+        return True
 
     def _admit(self, request: Request, budget: int) -> ScheduledRequest | None:
         """Moves the head of `waiting` to `running` if its tokens fit."""
@@ -158,7 +184,7 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> StepResult:
         """Advances each scheduled request and applies the stop conditions."""
-        outputs: list[EngineCoreOutput] = []
+        outputs, self._failed = self._failed, []
         for entry in scheduler_output.scheduled:
             request = self.requests.get(entry.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -183,7 +209,11 @@ class Scheduler:
                 return None
             return EngineCoreOutput(request_id, [], prompt_logprobs=prompt_logprobs)
         request.append_output_token(token)
-        status = self._stop_status(request, token)
+        # A complete grammar allows nothing more: the request ends as a normal stop.
+        if request.structured is not None and request.structured.advance(token):
+            status: RequestStatus | None = RequestStatus.FINISHED_STOPPED
+        else:
+            status = self._stop_status(request, token)
         if status is not None:
             self._finish(request, status)
         logprobs = runner_output.logprobs.get(request_id)

@@ -1,7 +1,8 @@
 """ModelRunner: turns a SchedulerOutput into sampled tokens.
 
 One flat batch per step with no per-request padding; logits only at the rows that
-sample (and at prompt rows whose logprobs were asked for). The step's metadata is built
+sample (and at prompt rows whose logprobs were asked for), where constrained requests'
+grammars mask the logits before sampling. The step's metadata is built
 once on the host and uploaded once: on CUDA through pinned buffers, and a decode-only step
 may replay a CUDA graph (its metadata then covers the padded batch).
 """
@@ -31,6 +32,7 @@ from engine.outputs import Logprobs
 from engine.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.cpu_threads import StepThreads
 from engine.worker.cuda_graphs import CudaGraphConfig, CudaGraphRunner, pad_decode_batch
+from engine.worker.grammar_bitmask import GrammarBitmask
 from engine.worker.input_batch import InputBatch, StepBatch
 from engine.worker.pinned_buffers import PinnedBuffers
 from engine.worker.sampler import Sampler, collect_logprobs
@@ -75,6 +77,7 @@ class ModelRunner:
         self.graphs = None if cuda_graphs is None else self._capture(backend, cuda_graphs)
         self.input_batch = InputBatch(arch.eos_token_ids)
         self.sampler = Sampler(arch.vocab_size)
+        self.grammar_bitmask = GrammarBitmask(arch.vocab_size, self.device)
 
     def _capture(self, backend: AttentionBackend, config: CudaGraphConfig) -> CudaGraphRunner:
         if not isinstance(backend, FlashInferAttentionBackend):
@@ -136,6 +139,8 @@ class ModelRunner:
         last_tokens = host.qo_indptr[1:][rows].astype(np.int64) - 1
         logits = self.model.compute_logits(hidden[torch.from_numpy(last_tokens).to(self.device)])
         states = [batch.requests[r] for r in rows]
+        with self.profiler.section("grammar"):
+            self.grammar_bitmask.apply_to(logits, [s.request for s in states])
         sampled = self.sampler(logits, [s.sampling_row() for s in states])
         request_ids = [s.request.request_id for s in states]
         logprobs = {

@@ -40,8 +40,10 @@ def check_chat(body: dict[str, Any], n_choices: int, logprobs: bool = False) -> 
     for choice in body["choices"]:
         assert choice["message"]["role"] == "assistant"
         assert isinstance(choice["message"]["content"], str)
+        assert choice["message"]["refusal"] is None
         assert choice["finish_reason"] in FINISH
         if logprobs:
+            assert choice["logprobs"]["refusal"] is None
             for entry in choice["logprobs"]["content"]:
                 assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
                 assert entry["bytes"] == list(entry["token"].encode())
@@ -67,7 +69,8 @@ def check_stream(chunks: list[dict[str, Any]], kind: str, n_choices: int) -> dic
         if kind == "chat":
             delta = choice["delta"]
             if "role" in delta:
-                assert delta == {"role": "assistant", "content": ""} and index not in role_seen
+                assert delta == {"role": "assistant", "content": "", "refusal": None}
+                assert index not in role_seen
                 role_seen.add(index)
             assert index in role_seen, "the role must come in the first chunk"
             texts[index] = texts.get(index, "") + delta.get("content", "")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -109,7 +110,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools"),
     (
         "/v1/chat/completions",
-        {"messages": USER, "response_format": {"type": "json_object"}},
+        {"messages": USER, "response_format": {"type": "json_schema"}},
         400,
         "response_format",
     ),
@@ -128,7 +129,8 @@ def test_bad_input_gets_openai_shaped_4xx(
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     if param is not None:
-        assert error["param"] is not None and error["param"].split(".")[0] == param
+        # The top-level field, as in OpenAI's "tools[0].function".
+        assert error["param"] is not None and re.split(r"[.\[]", error["param"])[0] == param
     # ...and the server keeps serving.
     ok = post(tiny_server, "/v1/completions", {"prompt": "t10 t11", "max_tokens": 2})
     assert ok.status_code == 200
