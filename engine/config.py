@@ -69,6 +69,17 @@ class EngineArgs:
     )
     quantization_group_size: int = _arg(32, "int4 group size", choices=(32, 64))
     quantize_lm_head: bool = _arg(False, "int8/int4 also quantize the LM head")
+    tensor_parallel_size: int = _arg(
+        1,
+        "shard the model over this many worker processes (Megatron-style; gloo on CPU, NCCL "
+        "on GPU, one GPU each); float weights only",
+    )
+    kv_events_config: str | None = _arg(
+        None,
+        "KV cache events for prefix-aware routers, as vLLM's --kv-events-config: a JSON "
+        'object such as {"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
+        '"topic": "kv@POD@MODEL"}',
+    )
 
 
 @dataclass(frozen=True)

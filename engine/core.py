@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from engine.config import (
     CacheConfig,
@@ -19,9 +20,13 @@ from engine.config import (
     resolve_scheduler_config,
 )
 from engine.kv_cache import KVCacheManager
+from engine.kv_events import KVEventsConfig
 from engine.request import Request
 from engine.scheduler import Scheduler, SchedulerStats, StepResult
 from engine.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from engine.kv_events.stream import KVEventStream
 
 logger = logging.getLogger(__name__)
 
@@ -33,11 +38,13 @@ class EngineCore:
         runner: ModelRunner,
         config: EngineConfig,
         hooks: EngineHooks | None = None,
+        kv_events: KVEventStream | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.config = config
         self.hooks = hooks or EngineHooks()
+        self.kv_events = kv_events
         self.num_steps = 0
 
     @classmethod
@@ -47,6 +54,7 @@ class EngineCore:
         from engine.worker.worker import Worker
 
         hooks = hooks or EngineHooks()
+        events_config = KVEventsConfig.from_json(args.kv_events_config)
         model_config = resolve_model_config(args)
         worker = Worker(args, model_config)
         scheduler_config = resolve_scheduler_config(
@@ -62,10 +70,18 @@ class EngineCore:
         )
         logger.info("engine: %s", config.describe())
         runner = worker.create_runner(cache_config, hooks.profile)
+        kv_events = None
+        if events_config.enabled:
+            from engine.kv_events.stream import KVEventStream
+
+            kv_events = KVEventStream(events_config, cache_config.block_size)
         kv_manager = KVCacheManager(
-            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            cache_config.num_blocks,
+            cache_config.block_size,
+            cache_config.enable_prefix_caching,
+            kv_events.recorder if kv_events is not None else None,
         )
-        return cls(Scheduler(scheduler_config, kv_manager), runner, config, hooks)
+        return cls(Scheduler(scheduler_config, kv_manager), runner, config, hooks, kv_events)
 
     def add_request(self, request: Request) -> None:
         """Queues one engine request (one choice: n == 1). Raises RequestValidationError for
@@ -97,5 +113,21 @@ class EngineCore:
         result = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self.hooks.check_invariants:
             self.scheduler.kv_cache.check_invariants()
+        if self.kv_events is not None:
+            self.kv_events.flush()
         self.num_steps += 1
         return result
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix (publishing AllBlocksCleared) when no request holds
+        KV blocks; returns whether it did."""
+        done = self.scheduler.kv_cache.reset_prefix_cache()
+        if self.kv_events is not None:
+            self.kv_events.flush()
+        return done
+
+    def close(self) -> None:
+        """Releases what outlives steps: the KV events publisher's sockets and thread."""
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None

@@ -57,11 +57,20 @@ def test_only_the_device_layers_import_torch(path: Path) -> None:
     )
 
 
+@pytest.mark.parametrize("path", sources("engine/kv_cache"), ids=lambda p: p.name)
+def test_the_block_pool_knows_no_transport(path: Path) -> None:
+    """KV events leave through a listener: the cache itself imports neither ZMQ nor msgpack."""
+    assert not {top(name) for name in imports(path)} & {"zmq", "msgspec", "msgpack"}
+
+
 def test_scheduler_and_kv_cache_load_without_torch() -> None:
-    """Not even indirectly: importing them (and the engine's public types) leaves torch out."""
+    """Not even indirectly: importing them (and the engine's public types) leaves torch, and
+    the KV events transport, out."""
+    heavy = "('torch', 'numpy', 'zmq', 'msgspec')"
     code = (
         "import sys, engine, engine.scheduler, engine.kv_cache, engine.output_processor\n"
-        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy'))\n"
+        "import engine.kv_events\n"
+        f"loaded = sorted(m for m in sys.modules if m.split('.')[0] in {heavy})\n"
         "print(','.join(loaded))"
     )
     result = subprocess.run(
