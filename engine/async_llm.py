@@ -121,7 +121,14 @@ class AsyncLLM:
 
     @property
     def is_alive(self) -> bool:
-        return self._task is not None and not self._task.done() and self.error is None
+        running = self._task is not None and not self._task.done() and self.error is None
+        return running and self.fatal_error is None
+
+    @property
+    def fatal_error(self) -> str | None:
+        """Why the engine can never run a step again though its loop lives (a
+        tensor-parallel worker died), or None; a server should exit on it."""
+        return self.core.failure()
 
     @property
     def has_pending_work(self) -> bool:

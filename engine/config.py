@@ -248,6 +248,15 @@ def resolve_quant_config(args: EngineArgs, model: ModelConfig, device_type: str)
     """What `--quantization` means for this model on this device; raises ValueError for a
     method that cannot run here."""
     method = args.quantization
+    if args.tensor_parallel_size > 1:
+        # Quantized kernels are CPU-only and tensor parallelism is for models that outgrow
+        # one GPU: the pair would only shard a CPU's memory bandwidth among its own ranks.
+        if method not in ("auto", "none"):
+            raise ValueError(
+                f"--quantization {method} cannot run with --tensor-parallel-size > 1: tensor "
+                "parallelism shards float weights; use --quantization none"
+            )
+        return QuantConfig("none", args.quantization_group_size, args.quantize_lm_head)
     if method == "auto":
         method = "gguf" if model.gguf is not None and device_type == "cpu" else "none"
     if method != "none" and device_type != "cpu":

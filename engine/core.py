@@ -27,6 +27,7 @@ from engine.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
     from engine.kv_events.stream import KVEventStream
+    from engine.worker.tensor_parallel import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
 
@@ -39,12 +40,14 @@ class EngineCore:
         config: EngineConfig,
         hooks: EngineHooks | None = None,
         kv_events: KVEventStream | None = None,
+        tp_group: TensorParallelGroup | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.config = config
         self.hooks = hooks or EngineHooks()
         self.kv_events = kv_events
+        self.tp_group = tp_group
         self.num_steps = 0
 
     @classmethod
@@ -81,7 +84,8 @@ class EngineCore:
             cache_config.enable_prefix_caching,
             kv_events.recorder if kv_events is not None else None,
         )
-        return cls(Scheduler(scheduler_config, kv_manager), runner, config, hooks, kv_events)
+        scheduler = Scheduler(scheduler_config, kv_manager)
+        return cls(scheduler, runner, config, hooks, kv_events, worker.tp_group)
 
     def add_request(self, request: Request) -> None:
         """Queues one engine request (one choice: n == 1). Raises RequestValidationError for
@@ -126,8 +130,17 @@ class EngineCore:
             self.kv_events.flush()
         return done
 
+    def failure(self) -> str | None:
+        """Why no step can run any more though the engine itself is fine (a tensor-parallel
+        worker died), or None."""
+        return None if self.tp_group is None else self.tp_group.failure()
+
     def close(self) -> None:
-        """Releases what outlives steps: the KV events publisher's sockets and thread."""
+        """Releases what outlives steps: the KV events publisher's sockets and thread, the
+        tensor-parallel workers."""
         if self.kv_events is not None:
             self.kv_events.close()
             self.kv_events = None
+        if self.tp_group is not None:
+            self.tp_group.close()
+            self.tp_group = None
