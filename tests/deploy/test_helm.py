@@ -21,6 +21,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tests.deploy.crd import CrdError, CustomResourceDefinition
+
 try:
     import helm_python as helm
 except ImportError as error:  # a setup mistake, not a platform limit: fail loudly
@@ -36,6 +38,10 @@ LINKED_FILES = {
     "files/grafana/pagedserve.json": ROOT / "deploy" / "grafana" / "pagedserve.json",
     "files/prometheus/alerts.yaml": ROOT / "deploy" / "prometheus" / "alerts.yaml",
 }
+# The Gateway API Inference Extension's InferencePool CRD, as its v1.6.0 release publishes it.
+INFERENCE_POOL_CRD = CustomResourceDefinition(
+    ROOT / "tests/data/gateway-api-inference-extension/inferencepools-v1.6.0.yaml"
+)
 # Chart.yaml says kubeVersion >=1.25: the oldest supported release and a recent one.
 KUBE_VERSIONS = ("1.25", "1.35")
 
@@ -54,6 +60,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "everything-with-hpa": {**EVERYTHING, "autoscaling": {"enabled": True}},
     "everything-with-keda": {**EVERYTHING, "keda": {"enabled": True, "prometheus": PROMETHEUS}},
     "hostpath-model": {"model": {"source": "hostPath", "hostPath": {"path": "/mnt/models"}}},
+    "inference-pool-with-kv-events": {
+        "inferencePool": {"enabled": True},
+        "kvEvents": {"enabled": True},
+        "gpu": {"count": 1},
+        "server": {"tensorParallelSize": 2, "servedModelName": "llama"},
+    },
     **{f"example-{path.stem}": helm.values_from_yaml(path.read_text()) for path in EXAMPLE_VALUES},
 }
 
@@ -143,6 +155,7 @@ CUSTOM_RESOURCE_CHECKS = {
     "ServiceMonitor": check_service_monitor,
     "PrometheusRule": check_prometheus_rule,
     "ScaledObject": check_scaled_object,
+    "InferencePool": INFERENCE_POOL_CRD.validate,
 }
 
 
@@ -326,6 +339,7 @@ SERVER_FLAGS = {
     "maxNumQueuedReqs": ("PAGEDSERVE_MAX_NUM_QUEUED_REQS", 512, "512"),
     "maxNumQueuedTokens": ("PAGEDSERVE_MAX_NUM_QUEUED_TOKENS", 262144, "262144"),
     "maxConcurrentRequestsPerTenant": ("PAGEDSERVE_MAX_CONCURRENT_REQUESTS_PER_TENANT", 8, "8"),
+    "tensorParallelSize": ("PAGEDSERVE_TENSOR_PARALLEL_SIZE", 2, "2"),
     "tenantMetrics": ("PAGEDSERVE_TENANT_METRICS", True, "true"),
     "logRequests": ("PAGEDSERVE_LOG_REQUESTS", False, "false"),
     "disableDashboard": ("PAGEDSERVE_DISABLE_DASHBOARD", True, "true"),
@@ -649,3 +663,108 @@ def test_notes_explain_how_to_reach_the_server() -> None:
         notes = chart.render({}, name="demo", namespace="llm")["pagedserve/templates/NOTES.txt"]
     assert "port-forward service/demo-pagedserve 8000:8000" in notes
     assert "/v1/chat/completions" in notes
+
+
+# --- Gateway API Inference Extension, llm-d ---------------------------------------------------
+
+POOL = {"inferencePool": {"enabled": True}, "kvEvents": {"enabled": True}}
+
+
+def pod_labels(manifests: list[dict[str, Any]]) -> dict[str, str]:
+    return the(manifests, "Deployment")["spec"]["template"]["metadata"]["labels"]
+
+
+def test_inference_pool_selects_exactly_its_release() -> None:
+    alpha, beta = render(POOL, release="alpha"), render(POOL, release="beta")
+    for own, other in [(alpha, beta), (beta, alpha)]:
+        pool = the(own, "InferencePool")
+        INFERENCE_POOL_CRD.validate(pool)
+        selector = pool["spec"]["selector"]["matchLabels"]
+        assert matches(selector, pod_labels(own))
+        assert not matches(selector, pod_labels(other))
+        # Exactly the Deployment's pods: the same selector, not a looser one.
+        assert selector == the(own, "Deployment")["spec"]["selector"]["matchLabels"]
+        assert pool["spec"]["targetPorts"] == [{"number": 8000}]
+    assert (
+        the(alpha, "InferencePool")["metadata"]["name"]
+        != the(beta, "InferencePool")["metadata"]["name"]
+    )
+
+
+def test_inference_pool_points_at_the_endpoint_picker() -> None:
+    pool = the(render(POOL, release="alpha"), "InferencePool")
+    assert pool["spec"]["endpointPickerRef"] == {
+        "name": "alpha-pagedserve-epp",
+        "port": {"number": 9002},
+        "failureMode": "FailClose",
+    }
+    values = {"inferencePool": {"enabled": True, "endpointPicker": {"serviceName": "epp"}}}
+    assert the(render(values), "InferencePool")["spec"]["endpointPickerRef"]["name"] == "epp"
+    assert "InferencePool" not in kinds(render())
+
+
+def test_pods_carry_the_engine_type_the_epp_reads() -> None:
+    labels = pod_labels(render(POOL))
+    assert labels["llm-d.ai/engine-type"] == "vllm"
+    assert labels["inference.networking.k8s.io/engine-type"] == "vllm"
+    assert "llm-d.ai/engine-type" not in pod_labels(render())
+
+
+def test_the_crd_validator_has_teeth() -> None:
+    """Schema (unknown and missing fields, ranges) and CEL rules both reject."""
+    good = the(render(POOL), "InferencePool")
+    INFERENCE_POOL_CRD.validate(good)
+    broken = {
+        "unknown field": lambda spec: spec.update(targetPort=[{"number": 8000}]),
+        "no selector": lambda spec: spec.pop("selector"),
+        "port out of range": lambda spec: spec.update(targetPorts=[{"number": 70000}]),
+        "duplicate ports (CEL)": lambda spec: spec.update(
+            targetPorts=[{"number": 8000}, {"number": 8000}]
+        ),
+        "Service without a port (CEL)": lambda spec: spec["endpointPickerRef"].pop("port"),
+    }
+    for name, damage in broken.items():
+        manifest = yaml.safe_load(yaml.safe_dump(good))
+        damage(manifest["spec"])
+        with pytest.raises(CrdError):
+            INFERENCE_POOL_CRD.validate(manifest)
+            pytest.fail(f"{name} passed validation")
+
+
+def test_kv_events_are_published_where_the_indexer_looks() -> None:
+    """vLLM's --kv-events-config, bound on the pod's kv-events port, with llm-d's topic
+    kv@<pod IP>@<model>; the server parses it."""
+    from engine.kv_events import KVEventsConfig
+
+    container = server_container(render({**POOL, "server": {"servedModelName": "llama"}}))
+    names = [e["name"] for e in container["env"]]
+    assert names.index("POD_IP") < names.index("PAGEDSERVE_KV_EVENTS_CONFIG")
+    env = env_of(container)
+    assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    raw = env["PAGEDSERVE_KV_EVENTS_CONFIG"].replace("$(POD_IP)", "10.1.2.3")
+    config = KVEventsConfig.from_json(raw)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert config.enabled and config.endpoint == f"tcp://*:{ports['kv-events']}"
+    assert config.topic == "kv@10.1.2.3@llama"
+    # Without a served name, the name the server derives: the model directory's, or the
+    # bundled model's.
+    pvc = {**POOL, "model": {"source": "pvc", "path": "Llama-3.1-8B-Instruct"}}
+    pvc_env = env_of(server_container(render(pvc)))["PAGEDSERVE_KV_EVENTS_CONFIG"]
+    assert json.loads(pvc_env)["topic"] == "kv@$(POD_IP)@Llama-3.1-8B-Instruct"
+    default_env = env_of(server_container(render(POOL)))["PAGEDSERVE_KV_EVENTS_CONFIG"]
+    assert json.loads(default_env)["topic"] == "kv@$(POD_IP)@SmolLM2-135M-Instruct"
+    assert "PAGEDSERVE_KV_EVENTS_CONFIG" not in env_of(server_container(render()))
+
+
+@pytest.mark.parametrize(("gpus", "ranks", "limit"), [(1, 4, 4), (1, None, 1), (0, 2, None)])
+def test_gpu_count_follows_the_tensor_parallel_size(
+    gpus: int, ranks: int | None, limit: int | None
+) -> None:
+    values = {"gpu": {"count": gpus}, "server": {"tensorParallelSize": ranks}}
+    limits = server_container(render(values))["resources"]["limits"]
+    assert limits.get("nvidia.com/gpu") == limit
+
+
+def test_gpu_count_and_tensor_parallel_size_must_agree() -> None:
+    with pytest.raises(helm.HelmRenderError, match="disagree"):
+        render({"gpu": {"count": 2}, "server": {"tensorParallelSize": 4}})

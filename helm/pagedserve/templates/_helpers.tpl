@@ -138,4 +138,43 @@ Combinations the schema cannot express.
 {{- if and (eq .Values.model.source "image") .Values.model.path (not (isAbs .Values.model.path)) }}
 {{- fail "model.source=image needs an absolute model.path (or an empty one for the default model)" }}
 {{- end }}
+{{- $tp := int (.Values.server.tensorParallelSize | default 1) }}
+{{- if and (gt (int .Values.gpu.count) 1) (gt $tp 1) (ne (int .Values.gpu.count) $tp) }}
+{{- fail (printf "gpu.count (%d) and server.tensorParallelSize (%d) disagree: each rank takes one GPU; set only tensorParallelSize" (int .Values.gpu.count) $tp) }}
+{{- end }}
+{{- end }}
+
+{{/*
+GPUs per pod: one per tensor-parallel rank on a GPU pod (gpu.count > 0), else gpu.count.
+*/}}
+{{- define "pagedserve.gpuCount" -}}
+{{- if gt (int .Values.gpu.count) 0 }}
+{{- max (int .Values.gpu.count) (int (.Values.server.tensorParallelSize | default 1)) }}
+{{- else }}0{{- end }}
+{{- end }}
+
+{{/*
+The model name clients send, as the server derives it: servedModelName, else the model
+directory's name, else the bundled model's.
+*/}}
+{{- define "pagedserve.servedModelName" -}}
+{{- if .Values.server.servedModelName }}{{ .Values.server.servedModelName }}
+{{- else if include "pagedserve.modelPath" . }}{{ base (include "pagedserve.modelPath" .) }}
+{{- else }}SmolLM2-135M-Instruct{{- end }}
+{{- end }}
+
+{{/*
+vLLM's --kv-events-config for this pod: bound on every interface, with llm-d's topic.
+$(POD_IP) is expanded by Kubernetes from the variable defined before it.
+*/}}
+{{- define "pagedserve.kvEventsConfig" -}}
+{{- dict "enable_kv_cache_events" true "publisher" "zmq" "endpoint" (printf "tcp://*:%d" (int .Values.kvEvents.port)) "topic" (printf "kv@$(POD_IP)@%s" (include "pagedserve.servedModelName" .)) | toJson }}
+{{- end }}
+
+{{/*
+The labels the EPP reads to map a pod's metric names: llm-d's key and GIE's older one.
+*/}}
+{{- define "pagedserve.engineTypeLabels" -}}
+llm-d.ai/engine-type: {{ .Values.inferencePool.engineType }}
+inference.networking.k8s.io/engine-type: {{ .Values.inferencePool.engineType }}
 {{- end }}
