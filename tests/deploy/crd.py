@@ -62,9 +62,9 @@ class CustomResourceDefinition:
 def _closed(schema: dict[str, Any]) -> dict[str, Any]:
     """Every object with declared properties rejects others (a structural schema prunes
     them; a strict client, such as kubectl's field validation, rejects them)."""
-    if "properties" in schema and "additionalProperties" not in schema:
-        if not schema.get("x-kubernetes-preserve-unknown-fields"):
-            schema["additionalProperties"] = False
+    open_ = "additionalProperties" in schema or schema.get("x-kubernetes-preserve-unknown-fields")
+    if "properties" in schema and not open_:
+        schema["additionalProperties"] = False
     for sub in schema.get("properties", {}).values():
         _closed(sub)
     if isinstance(schema.get("items"), dict):
