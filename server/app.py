@@ -33,6 +33,8 @@ from server.openapi import (
     DetokenizeResponse,
     ModelList,
     ProbeResponse,
+    RenderedPrompt,
+    RenderedPrompts,
     TokenizeResponse,
     VersionResponse,
     install_openapi,
@@ -45,6 +47,7 @@ from server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from server.render import render_chat_completion, render_completion
 from server.serving import Caller, ServingContext, sse_events
 from server.settings import AppState, Phase, ServerSettings
 
@@ -195,6 +198,21 @@ def _add_routes(app: FastAPI, state: AppState) -> None:
         check_model(ctx, body.model)
         caller = admit(request, ctx, body.n or 1)
         return await respond(request, create_chat_completion(ctx, body, caller))
+
+    # vLLM's render endpoints, for llm-d's endpoint picker (server/render.py).
+    @app.post("/v1/completions/render", **route_docs(CompletionRequest, RenderedPrompts))
+    async def completions_render(request: Request) -> Any:
+        ctx = serving()
+        body = await parse(request, CompletionRequest)
+        check_model(ctx, body.model)
+        return await render_completion(ctx, body)
+
+    @app.post("/v1/chat/completions/render", **route_docs(ChatCompletionRequest, RenderedPrompt))
+    async def chat_completions_render(request: Request) -> Any:
+        ctx = serving()
+        body = await parse(request, ChatCompletionRequest)
+        check_model(ctx, body.model)
+        return await render_chat_completion(ctx, body)
 
     @app.get("/v1/models", **route_docs(None, ModelList))
     async def models() -> dict[str, Any]:

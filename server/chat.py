@@ -67,16 +67,21 @@ def _logprob_entries(ctx: ServingContext, entries: list[Logprobs]) -> list[dict[
     ]
 
 
-async def create_chat_completion(
-    ctx: ServingContext, body: ChatCompletionRequest, caller: Caller
-) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
-    prompt = await render_chat(
+async def chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
+    """The prompt's token ids, as the request's template options render it."""
+    return await render_chat(
         ctx,
         body.messages,
         add_generation_prompt=body.add_generation_prompt is not False
         and not body.continue_final_message,
         continue_final_message=bool(body.continue_final_message),
     )
+
+
+async def create_chat_completion(
+    ctx: ServingContext, body: ChatCompletionRequest, caller: Caller
+) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
+    prompt = await chat_prompt(ctx, body)
     params = sampling_params(body, len(prompt), ctx.max_model_len, ctx.vocab_size)
     runs = make_runs([prompt], [params])
     caller.reserve_tokens(runs, "messages")
