@@ -199,20 +199,20 @@ def _add_routes(app: FastAPI, state: AppState) -> None:
         caller = admit(request, ctx, body.n or 1)
         return await respond(request, create_chat_completion(ctx, body, caller))
 
-    # vLLM's render endpoints, for llm-d's endpoint picker (server/render.py).
-    @app.post("/v1/completions/render", **route_docs(CompletionRequest, RenderedPrompts))
-    async def completions_render(request: Request) -> Any:
-        ctx = serving()
-        body = await parse(request, CompletionRequest)
-        check_model(ctx, body.model)
-        return await render_completion(ctx, body)
+    def render_route(path: str, model: type[Body], response: type[BaseModel], render: Any) -> None:
+        """vLLM's render endpoints, for llm-d's endpoint picker (server/render.py)."""
 
-    @app.post("/v1/chat/completions/render", **route_docs(ChatCompletionRequest, RenderedPrompt))
-    async def chat_completions_render(request: Request) -> Any:
-        ctx = serving()
-        body = await parse(request, ChatCompletionRequest)
-        check_model(ctx, body.model)
-        return await render_chat_completion(ctx, body)
+        @app.post(path, **route_docs(model, response))
+        async def rendered(request: Request) -> Any:
+            ctx = serving()
+            body = await parse(request, model)
+            check_model(ctx, body.model)  # type: ignore[attr-defined]
+            return await render(ctx, body)
+
+    render_route("/v1/completions/render", CompletionRequest, RenderedPrompts, render_completion)
+    render_route(
+        "/v1/chat/completions/render", ChatCompletionRequest, RenderedPrompt, render_chat_completion
+    )
 
     @app.get("/v1/models", **route_docs(None, ModelList))
     async def models() -> dict[str, Any]:
