@@ -50,13 +50,18 @@ class _Abort:
     request_id: str
 
 
+@dataclass(frozen=True)
+class _ResetPrefixCache:
+    done: asyncio.Future[bool]
+
+
 class AsyncLLM:
     def __init__(self, core: EngineCore, tokenizer: Any) -> None:
         self.core = core
         self.config: EngineConfig = core.config
         self.tokenizer = tokenizer
         self._processor = OutputProcessor(tokenizer, core.config.model.arch.eos_token_ids)
-        self._inbox: asyncio.Queue[_Add | _Abort] = asyncio.Queue()
+        self._inbox: asyncio.Queue[_Add | _Abort | _ResetPrefixCache] = asyncio.Queue()
         self._collectors: dict[str, OutputCollector] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._task: asyncio.Task[None] | None = None
@@ -106,7 +111,7 @@ class AsyncLLM:
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self._step is not None:
             await asyncio.gather(asyncio.wrap_future(self._step), return_exceptions=True)
-        self.core.shutdown()
+        self.core.close()
 
     def close(self, reason: str) -> None:
         """Cuts off every open request and refuses new ones: their streams, and later
@@ -118,7 +123,14 @@ class AsyncLLM:
 
     @property
     def is_alive(self) -> bool:
-        return self._task is not None and not self._task.done() and self.error is None
+        running = self._task is not None and not self._task.done() and self.error is None
+        return running and self.fatal_error is None
+
+    @property
+    def fatal_error(self) -> str | None:
+        """Why the engine can never run a step again though its loop lives (a
+        tensor-parallel worker died), or None; a server should exit on it."""
+        return self.core.failure()
 
     @property
     def has_pending_work(self) -> bool:
@@ -190,6 +202,13 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         """Asks the loop to end a request; unknown or finished ids are ignored."""
         self._inbox.put_nowait(_Abort(request_id))
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix between two steps, if no request holds KV blocks
+        then; returns whether it did (KV event subscribers get AllBlocksCleared)."""
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._inbox.put_nowait(_ResetPrefixCache(done))
+        return await done
 
     async def watch(self) -> AsyncIterator[EngineView]:
         """Yields views of the engine's state (ids and counts, never text): an EngineSnapshot
@@ -264,9 +283,13 @@ class AsyncLLM:
             for collector in self._collectors.values():
                 collector.put(EngineDeadError(f"the engine failed: {exc!r}"))
 
-    def _apply(self, message: _Add | _Abort) -> None:
+    def _apply(self, message: _Add | _Abort | _ResetPrefixCache) -> None:
         if isinstance(message, _Abort):
             self._abort(message.request_id)
+            return
+        if isinstance(message, _ResetPrefixCache):
+            if not message.done.done():
+                message.done.set_result(self.core.reset_prefix_cache())
             return
         self._count(self._inbox_load, message, -1)
         collector = self._collectors.get(message.request_id)

@@ -69,6 +69,17 @@ class EngineArgs:
     )
     quantization_group_size: int = _arg(32, "int4 group size", choices=(32, 64))
     quantize_lm_head: bool = _arg(False, "int8/int4 also quantize the LM head")
+    tensor_parallel_size: int = _arg(
+        1,
+        "shard the model over this many worker processes (Megatron-style; gloo on CPU, NCCL "
+        "on GPU, one GPU each); float weights only",
+    )
+    kv_events_config: str | None = _arg(
+        None,
+        "KV cache events for prefix-aware routers, as vLLM's --kv-events-config: a JSON "
+        'object such as {"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
+        '"topic": "kv@POD@MODEL"}',
+    )
 
 
 @dataclass(frozen=True)
@@ -237,6 +248,15 @@ def resolve_quant_config(args: EngineArgs, model: ModelConfig, device_type: str)
     """What `--quantization` means for this model on this device; raises ValueError for a
     method that cannot run here."""
     method = args.quantization
+    if args.tensor_parallel_size > 1:
+        # Quantized kernels are CPU-only and tensor parallelism is for models that outgrow
+        # one GPU: the pair would only shard a CPU's memory bandwidth among its own ranks.
+        if method not in ("auto", "none"):
+            raise ValueError(
+                f"--quantization {method} cannot run with --tensor-parallel-size > 1: tensor "
+                "parallelism shards float weights; use --quantization none"
+            )
+        return QuantConfig("none", args.quantization_group_size, args.quantize_lm_head)
     if method == "auto":
         method = "gguf" if model.gguf is not None and device_type == "cpu" else "none"
     if method != "none" and device_type != "cpu":

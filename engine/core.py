@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.config import (
     CacheConfig,
@@ -24,10 +24,15 @@ from engine.config import (
 )
 from engine.errors import RequestValidationError
 from engine.kv_cache import KVCacheManager
+from engine.kv_events import KVEventsConfig
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler, SchedulerStats, StepResult
 from engine.structured_output import StructuredOutputManager
 from engine.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from engine.kv_events.stream import KVEventStream
+    from engine.worker.tensor_parallel import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
 # With nothing to run but requests whose grammars compile, a step waits this long for one.
@@ -43,6 +48,8 @@ class EngineCore:
         hooks: EngineHooks | None = None,
         tokenizer: Any = None,
         grammars: StructuredOutputManager | None = None,
+        kv_events: KVEventStream | None = None,
+        tp_group: TensorParallelGroup | None = None,
     ) -> None:
         """Without `grammars`, constrained requests are refused."""
         self.scheduler = scheduler
@@ -51,6 +58,8 @@ class EngineCore:
         self.hooks = hooks or EngineHooks()
         self.tokenizer = tokenizer
         self.grammars = grammars
+        self.kv_events = kv_events
+        self.tp_group = tp_group
         self.num_steps = 0
 
     @classmethod
@@ -60,6 +69,7 @@ class EngineCore:
         from engine.worker.worker import Worker
 
         hooks = hooks or EngineHooks()
+        events_config = KVEventsConfig.from_json(args.kv_events_config)
         model_config = resolve_model_config(args)
         worker = Worker(args, model_config)
         scheduler_config = resolve_scheduler_config(
@@ -75,8 +85,16 @@ class EngineCore:
         )
         logger.info("engine: %s", config.describe())
         runner = worker.create_runner(cache_config, hooks.profile)
+        kv_events = None
+        if events_config.enabled:
+            from engine.kv_events.stream import KVEventStream
+
+            kv_events = KVEventStream(events_config, cache_config.block_size)
         kv_manager = KVCacheManager(
-            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            cache_config.num_blocks,
+            cache_config.block_size,
+            cache_config.enable_prefix_caching,
+            kv_events.recorder if kv_events is not None else None,
         )
         tokenizer = load_tokenizer(model_config)
         arch = model_config.arch
@@ -84,7 +102,9 @@ class EngineCore:
             tokenizer, arch.vocab_size, arch.eos_token_ids
         )
         scheduler = Scheduler(scheduler_config, kv_manager)
-        return cls(scheduler, runner, config, hooks, tokenizer, grammars)
+        return cls(
+            scheduler, runner, config, hooks, tokenizer, grammars, kv_events, worker.tp_group
+        )
 
     def add_request(self, request: Request) -> None:
         """Queues one engine request (one choice: n == 1). Raises RequestValidationError for
@@ -125,6 +145,8 @@ class EngineCore:
         result = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self.hooks.check_invariants:
             self.scheduler.kv_cache.check_invariants()
+        if self.kv_events is not None:
+            self.kv_events.flush()
         self.num_steps += 1
         return result
 
@@ -139,6 +161,27 @@ class EngineCore:
         if compiling:
             wait(compiling, timeout=GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
 
-    def shutdown(self) -> None:
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix (publishing AllBlocksCleared) when no request holds
+        KV blocks; returns whether it did."""
+        done = self.scheduler.kv_cache.reset_prefix_cache()
+        if self.kv_events is not None:
+            self.kv_events.flush()
+        return done
+
+    def failure(self) -> str | None:
+        """Why no step can run any more though the engine itself is fine (a tensor-parallel
+        worker died), or None."""
+        return None if self.tp_group is None else self.tp_group.failure()
+
+    def close(self) -> None:
+        """Releases what outlives steps: the grammar compiler's threads, the KV events
+        publisher's sockets and thread, the tensor-parallel workers."""
         if self.grammars is not None:
             self.grammars.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
+        if self.tp_group is not None:
+            self.tp_group.close()
+            self.tp_group = None

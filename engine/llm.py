@@ -72,6 +72,14 @@ class LLM:
             if params.structured_outputs is not None and self.core.grammars is not None:
                 self.core.grammars.compile(params.structured_outputs).result()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix; False (and nothing done) while requests hold blocks."""
+        return self.core.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Releases the KV events publisher and the tensor-parallel workers, if any."""
+        self.core.close()
+
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):

@@ -33,6 +33,8 @@ from server.openapi import (
     DetokenizeResponse,
     ModelList,
     ProbeResponse,
+    RenderedPrompt,
+    RenderedPrompts,
     TokenizeResponse,
     VersionResponse,
     install_openapi,
@@ -45,6 +47,7 @@ from server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from server.render import render_chat_completion, render_completion
 from server.serving import Caller, ServingContext, sse_events
 from server.settings import AppState, Phase, ServerSettings
 
@@ -202,6 +205,21 @@ def _add_routes(app: FastAPI, state: AppState) -> None:
         check_model(ctx, body.model)
         caller = admit(request, ctx, body.n or 1)
         return await respond(request, create_chat_completion(ctx, body, caller))
+
+    def render_route(path: str, model: type[Body], response: type[BaseModel], render: Any) -> None:
+        """vLLM's render endpoints, for llm-d's endpoint picker (server/render.py)."""
+
+        @app.post(path, **route_docs(model, response))
+        async def rendered(request: Request) -> Any:
+            ctx = serving()
+            body = await parse(request, model)
+            check_model(ctx, body.model)  # type: ignore[attr-defined]
+            return await render(ctx, body)
+
+    render_route("/v1/completions/render", CompletionRequest, RenderedPrompts, render_completion)
+    render_route(
+        "/v1/chat/completions/render", ChatCompletionRequest, RenderedPrompt, render_chat_completion
+    )
 
     @app.get("/v1/models", **route_docs(None, ModelList))
     async def models() -> dict[str, Any]:

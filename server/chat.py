@@ -100,12 +100,15 @@ def _constraint(body: ChatCompletionRequest, plan: ToolPlan | None) -> Constrain
     return plan.constraint()
 
 
-async def create_chat_completion(
-    ctx: ServingContext, body: ChatCompletionRequest, caller: Caller
-) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
-    plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, ctx.tool_call_parser)
-    constraint = _constraint(body, plan)
-    prompt = await render_chat(
+def tool_plan(ctx: ServingContext, body: ChatCompletionRequest) -> ToolPlan | None:
+    return plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, ctx.tool_call_parser)
+
+
+async def chat_prompt(
+    ctx: ServingContext, body: ChatCompletionRequest, plan: ToolPlan | None
+) -> list[int]:
+    """The prompt's token ids, as the request's template options and tools render it."""
+    return await render_chat(
         ctx,
         body.messages,
         add_generation_prompt=body.add_generation_prompt is not False
@@ -113,6 +116,14 @@ async def create_chat_completion(
         continue_final_message=bool(body.continue_final_message),
         tools=plan,
     )
+
+
+async def create_chat_completion(
+    ctx: ServingContext, body: ChatCompletionRequest, caller: Caller
+) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
+    plan = tool_plan(ctx, body)
+    constraint = _constraint(body, plan)
+    prompt = await chat_prompt(ctx, body, plan)
     params = sampling_params(
         body,
         len(prompt),

@@ -14,7 +14,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel
+from pydantic import BaseModel, RootModel
 from pydantic.json_schema import models_json_schema
 
 from server.protocol import (
@@ -121,6 +121,15 @@ class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+
+
+class RenderedPrompt(BaseModel):
+    model: str
+    token_ids: list[int]
+
+
+class RenderedPrompts(RootModel[list[RenderedPrompt]]):
+    """One per prompt of a completions request."""
 
 
 class DetokenizeResponse(BaseModel):

@@ -42,10 +42,18 @@ class DrainingServer(uvicorn.Server):
         self.exit_code = 0
 
     async def on_tick(self, counter: int) -> bool:
-        """A model that fails to load ends the process (exit 1), so an orchestrator sees a
-        crash rather than a live pod that can never become ready."""
+        """A model that fails to load, or an engine that can never step again (a dead
+        tensor-parallel rank), ends the process (exit 1), so an orchestrator sees a crash
+        rather than a live pod that can never serve."""
         if self.state.phase is Phase.FAILED:
             logger.error("exiting: the model could not be loaded")
+            self.exit_code = 1
+            return True
+        serving = self.state.serving
+        if serving is not None and serving.engine.fatal_error is not None:
+            logger.error("exiting: %s", serving.engine.fatal_error)
+            if serving.engine.has_pending_work:
+                serving.engine.close(serving.engine.fatal_error)
             self.exit_code = 1
             return True
         return await super().on_tick(counter)

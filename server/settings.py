@@ -118,6 +118,8 @@ class AppState:
         """Alive while loading or serving; dead when loading failed or the engine loop died."""
         if self.load_error is not None:
             return False, f"model loading failed: {self.load_error!r}"
+        if self.serving is not None and self.serving.engine.fatal_error is not None:
+            return False, f"engine failed: {self.serving.engine.fatal_error}"
         if self.serving is not None and not self.serving.engine.is_alive:
             return False, f"engine loop is not running: {self.serving.engine.error!r}"
         return True, "ok"

@@ -57,14 +57,21 @@ def test_only_the_device_layers_import_torch(path: Path) -> None:
     )
 
 
+@pytest.mark.parametrize("path", sources("engine/kv_cache"), ids=lambda p: p.name)
+def test_the_block_pool_knows_no_transport(path: Path) -> None:
+    """KV events leave through a listener: the cache itself imports neither ZMQ nor msgpack."""
+    assert not {top(name) for name in imports(path)} & {"zmq", "msgspec", "msgpack"}
+
+
 def test_scheduler_and_kv_cache_load_without_torch() -> None:
-    """Not even indirectly: importing them (and the engine's public types) leaves torch and
-    the grammar engine out; the scheduler sees grammars only through a protocol."""
+    """Not even indirectly: importing them (and the engine's public types) leaves torch, the
+    grammar engine and the KV events transport out; the scheduler sees grammars only through
+    a protocol."""
+    heavy = "('torch', 'numpy', 'llguidance', 'xgrammar', 'zmq', 'msgspec')"
     code = (
         "import sys, engine, engine.scheduler, engine.kv_cache, engine.output_processor\n"
-        "import engine.structured_output\n"
-        "heavy = ('torch', 'numpy', 'llguidance', 'xgrammar')\n"
-        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in heavy)\n"
+        "import engine.structured_output, engine.kv_events\n"
+        f"loaded = sorted(m for m in sys.modules if m.split('.')[0] in {heavy})\n"
         "print(','.join(loaded))"
     )
     result = subprocess.run(

@@ -2,6 +2,7 @@
 
 from engine.kv_cache.block import BlockHash, FreeBlockQueue, KVCacheBlock
 from engine.kv_cache.block_pool import BlockPool
+from engine.kv_cache.events import KVEventListener, NoKVEvents
 from engine.kv_cache.manager import KVCacheManager, PrefixCacheCounters
 
 __all__ = [
@@ -10,5 +11,7 @@ __all__ = [
     "FreeBlockQueue",
     "KVCacheBlock",
     "KVCacheManager",
+    "KVEventListener",
+    "NoKVEvents",
     "PrefixCacheCounters",
 ]

@@ -11,11 +11,14 @@ class BlockHash:
     """Identity of a full block: a chained digest plus the token ids it covers.
 
     The digest is the dictionary key; the token ids are compared on a hit, so even a
-    digest collision can never serve the wrong KV.
+    digest collision can never serve the wrong KV. `extra_keys` are the keys hashed in
+    beside the tokens (a tenant's salt, on a chain's first block), kept so that KV events
+    can tell consumers what the digest covers.
     """
 
     digest: bytes
     token_ids: tuple[int, ...]
+    extra_keys: tuple[str, ...] = ()
 
 
 class KVCacheBlock:

@@ -5,19 +5,22 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from engine.kv_cache.block import BlockHash, FreeBlockQueue, KVCacheBlock
+from engine.kv_cache.events import KVEventListener, NoKVEvents
 
 
 class BlockPool:
     """Allocation, reference counting and lazy eviction of KV blocks.
 
     A freed block that holds a cached full prefix keeps its hash, and so stays findable,
-    until it is popped from the free queue for reuse (lazy eviction).
+    until it is popped from the free queue for reuse (lazy eviction). `events` hears of
+    every block that becomes findable and of every one that stops being so, in order.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, events: KVEventListener | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.events: KVEventListener = events or NoKVEvents()
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVCacheBlock] = {}
@@ -72,8 +75,11 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def cache(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
-        """Registers a full block under its hash.
+    def cache(
+        self, block: KVCacheBlock, block_hash: BlockHash, parent: BlockHash | None = None
+    ) -> None:
+        """Registers a full block under its hash; `parent` is the hash of the block before
+        it in the chain (None for a first block), for the stored event.
 
         If an equal block is already registered (two requests computed the same prefix at
         once), the first one stays the cache entry and this block stays private.
@@ -84,12 +90,25 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self.cached[block_hash.digest] = block
+        self.events.block_stored(block_hash, parent)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block, if no request holds a block (their hashes are in
+        use); returns whether it did."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block in self.cached.values():
+            block.block_hash = None
+        self.cached.clear()
+        self.events.all_cleared()
+        return True
 
     def _evict(self, block: KVCacheBlock) -> None:
+        # Only registered blocks carry a hash: cache() leaves duplicates unhashed.
         if block.block_hash is None:
             return
-        if self.cached.get(block.block_hash.digest) is block:
-            del self.cached[block.block_hash.digest]
+        del self.cached[block.block_hash.digest]
+        self.events.block_removed(block.block_hash)
         block.block_hash = None
 
     def check_invariants(self, held: Sequence[Sequence[KVCacheBlock]] | None = None) -> None:

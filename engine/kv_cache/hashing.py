@@ -21,7 +21,7 @@ def hash_block(
     h.update(array("q", token_ids).tobytes())
     for key in extra_keys:
         h.update(b"\x00" + key.encode())
-    return BlockHash(h.digest(), tuple(token_ids))
+    return BlockHash(h.digest(), tuple(token_ids), tuple(extra_keys))
 
 
 def extend_block_hashes(

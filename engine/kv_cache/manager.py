@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from engine.kv_cache.block import KVCacheBlock
 from engine.kv_cache.block_pool import BlockPool
+from engine.kv_cache.events import KVEventListener
 from engine.kv_cache.hashing import extend_block_hashes
 from engine.utils import cdiv
 
@@ -76,8 +77,9 @@ class HashPrefixCache:
         """
         self.update_hashes(request)
         num_full = min(num_tokens // self.block_size, len(request.block_hashes), len(blocks))
+        hashes = request.block_hashes
         for i in range(start, num_full):
-            self.pool.cache(blocks[i], request.block_hashes[i])
+            self.pool.cache(blocks[i], hashes[i], hashes[i - 1] if i > 0 else None)
         return max(start, num_full)
 
 
@@ -103,11 +105,17 @@ class KVCacheManager:
     for every request it schedules, and `free` when a request finishes or is preempted.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        events: KVEventListener | None = None,
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, events)
         self.prefix_cache: PrefixCache = (
             HashPrefixCache(self.pool, block_size) if enable_caching else NoPrefixCache()
         )
@@ -183,6 +191,10 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self._num_registered.pop(request.request_id, None)
         self.pool.free(reversed(blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix when no request holds blocks; returns whether it did."""
+        return self.pool.reset_prefix_cache()
 
     def check_invariants(self) -> None:
         """Raise AssertionError if block accounting is inconsistent (tests call this)."""

@@ -5,7 +5,7 @@ Nothing is fetched from a hub: a model is a path on disk.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +31,12 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str,
     quant: QuantConfig | None = None,
+    shard: Callable[[DecoderModel], DecoderModel] | None = None,
 ) -> tuple[DecoderModel, ModelArch]:
     """Builds the decoder and fills every parameter; raises if any is left unfilled.
+
+    `shard` (tensor parallelism) turns the loaded float model into this rank's shard
+    before it moves to `device`, so that only the shard reaches it.
 
     `quant` says how weights run: "gguf" keeps a GGUF file's Q4_0/Q4_1/Q8_0 tensors
     quantized (the file is the model itself or the one in its directory); "int8"/"int4"
@@ -56,6 +60,8 @@ def load_model(
         else _iter_safetensors(folder)
     )
     WeightLoader(decoder, arch).load(tensors)
+    if shard is not None:
+        decoder = shard(decoder)
     if quant.method in ("int8", "int4"):
         quantize_model(decoder, quant)
     decoder = decoder.to(device).eval()

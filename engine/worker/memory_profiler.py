@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import create_backend
-from engine.attention.backend import allocate_kv_cache
+from engine.attention.backend import AttentionBackend, allocate_kv_cache
 from engine.attention.metadata import build_attention_metadata
 from engine.models.llama import DecoderModel
 from engine.utils import cdiv
@@ -65,6 +65,24 @@ def profile_batch(
     return [0] * len(lengths), lengths, tables
 
 
+def cache_and_backend(
+    model: DecoderModel, backend_name: str, num_blocks: int, block_size: int
+) -> tuple[torch.Tensor, AttentionBackend]:
+    """A KV cache of `num_blocks` for `model`'s layers and heads (on its device, in its
+    dtype), and a `backend_name` backend over it."""
+    arch, param = model.arch, next(model.parameters())
+    kv_cache = allocate_kv_cache(
+        arch.num_layers,
+        num_blocks,
+        block_size,
+        arch.num_kv_heads,
+        arch.head_dim,
+        param.dtype,
+        param.device,
+    )
+    return kv_cache, create_backend(backend_name, kv_cache, arch.num_heads, arch.head_dim**-0.5)
+
+
 @torch.inference_mode()
 def run_profile_step(
     model: DecoderModel,
@@ -76,21 +94,12 @@ def run_profile_step(
 ) -> int:
     """Runs the dummy step through `backend_name` on a temporary KV cache, logits included
     for up to max_num_seqs rows. Returns that cache's size in bytes (freed on return)."""
-    arch, param = model.arch, next(model.parameters())
+    param = next(model.parameters())
     computed, new, tables = profile_batch(
         max_num_batched_tokens, max_num_seqs, max_model_len, block_size
     )
     num_blocks = sum(len(t) for t in tables)
-    kv_cache = allocate_kv_cache(
-        arch.num_layers,
-        num_blocks,
-        block_size,
-        arch.num_kv_heads,
-        arch.head_dim,
-        param.dtype,
-        param.device,
-    )
-    backend = create_backend(backend_name, kv_cache, arch.num_heads, arch.head_dim**-0.5)
+    kv_cache, backend = cache_and_backend(model, backend_name, num_blocks, block_size)
     md = build_attention_metadata(computed, new, tables, block_size, param.device)
     backend.plan(md)
     input_ids = torch.zeros(md.num_tokens, dtype=torch.long, device=param.device)

@@ -17,19 +17,23 @@ from engine.config import (
     DeviceConfig,
     EngineArgs,
     ModelConfig,
+    QuantConfig,
     SchedulerConfig,
     resolve_model_config,
     resolve_quant_config,
     runtime_facts,
 )
 from engine.models.arch import ModelArch
+from engine.models.llama import DecoderModel
 from engine.models.loader import load_model
+from engine.models.parallel import Shard, TensorParallelDecoder, shard_arch
 from engine.ops.loader import native_kernels
 from engine.utils import cdiv
 from engine.worker.cuda_graphs import CudaGraphConfig, capture_sizes
 from engine.worker.memory_profiler import MemoryProfile, profile_gpu_memory
 from engine.worker.model_runner import ModelRunner
 from engine.worker.step_profiler import StepProfiler
+from engine.worker.tensor_parallel import TensorParallelGroup, TensorParallelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -83,19 +87,48 @@ def resolve_device_config(args: EngineArgs) -> DeviceConfig:
     the native CPU kernels (on CPU) and may import flashinfer (on CUDA); raises ValueError
     for settings this machine cannot run."""
     device = resolve_device(args.device)
+    check_parallel_devices(args.tensor_parallel_size, device)
     dtype = resolve_dtype(args.dtype, device)
     backend = resolve_backend(args.attention_backend, device, dtype)
     sizes, graphs_off = cuda_graph_plan(args, device, backend.name)
+    # Each rank runs on its own cores.
+    threads = args.num_threads or max(1, available_cpus() // args.tensor_parallel_size)
     return DeviceConfig(
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
         attention_backend=backend.name,
         attention_reason=backend.reason,
         native_kernels=native_kernels().describe() if device.type == "cpu" else "",
-        num_threads=args.num_threads or available_cpus(),
+        num_threads=threads,
         cuda_graph_sizes=sizes,
         cuda_graphs_off=graphs_off,
     )
+
+
+def check_parallel_devices(size: int, device: torch.device) -> None:
+    """Raises ValueError when `size` ranks cannot each have a device of their own."""
+    if size < 1:
+        raise ValueError(f"--tensor-parallel-size must be positive, got {size}")
+    if device.type == "cuda" and size > torch.cuda.device_count():
+        raise ValueError(
+            f"--tensor-parallel-size {size} needs {size} GPUs; "
+            f"{torch.cuda.device_count()} are visible"
+        )
+
+
+def load_shard(
+    args: EngineArgs, model: ModelConfig, device: DeviceConfig, rank: int, size: int
+) -> TensorParallelDecoder:
+    """Rank `rank`'s shard of the model's float weights, on its device."""
+    shard = Shard(rank, size)
+
+    def cut(full: DecoderModel) -> DecoderModel:
+        return TensorParallelDecoder.from_full(full, shard, None)
+
+    dtype, target = DTYPES[device.dtype], torch.device(device.device)
+    loaded, _ = load_model(model.weights, dtype, target, QuantConfig(), shard=cut)
+    assert isinstance(loaded, TensorParallelDecoder)
+    return loaded
 
 
 def cuda_graph_plan(
@@ -106,6 +139,8 @@ def cuda_graph_plan(
         return (), ""
     if args.enforce_eager:
         return (), "off (--enforce-eager)"
+    if args.tensor_parallel_size > 1:
+        return (), "off (tensor parallelism runs eagerly)"
     if backend != "flashinfer":
         logger.info("CUDA graphs need the flashinfer attention backend; decoding eagerly")
         return (), "off (they need the flashinfer attention backend)"
@@ -121,7 +156,11 @@ def describe_setup(args: EngineArgs) -> list[tuple[str, str]]:
 
 
 class Worker:
-    """Loads the model on construction; then sizes the KV cache and builds the runner."""
+    """Loads the model on construction; then sizes the KV cache and builds the runner.
+
+    With --tensor-parallel-size N > 1 it starts N - 1 worker processes (see
+    tensor_parallel.py), holds shard 0 itself, and its runner keeps the workers in step.
+    """
 
     def __init__(self, args: EngineArgs, model: ModelConfig) -> None:
         self.device_config = resolve_device_config(args)
@@ -133,7 +172,32 @@ class Worker:
             logger.info(
                 "serving %s's weights in %s (--quantization none)", model.gguf.name, self.dtype
             )
-        self.model, _ = load_model(model.weights, self.dtype, self.device, self.quant_config)
+        self.tp_group: TensorParallelGroup | None = None
+        self.arch = model.arch  # this rank's shapes
+        if args.tensor_parallel_size > 1:
+            self.model: DecoderModel = self._load_shard(args)
+        else:
+            self.model, _ = load_model(model.weights, self.dtype, self.device, self.quant_config)
+
+    def _load_shard(self, args: EngineArgs) -> TensorParallelDecoder:
+        size = args.tensor_parallel_size
+        self.arch = shard_arch(self.model_config.arch, size)  # refuses what cannot shard
+        group = TensorParallelGroup(args, self.model_config, self.device_config, size)
+        self.tp_group = group
+        try:
+            model = load_shard(args, self.model_config, self.device_config, 0, size)
+            group.wait_loaded()
+        except BaseException:
+            group.close()
+            raise
+
+        def announce_logits(hidden: torch.Tensor) -> None:
+            group.send("logits", tuple(hidden.shape))
+            group.broadcast(hidden.contiguous())
+
+        model.before_logits = announce_logits
+        logger.info("tensor parallel: %d ranks, this process holds shard 0", size)
+        return model
 
     @property
     def _graph_scratch_blocks(self) -> int:
@@ -149,37 +213,50 @@ class Worker:
         if self.device.type == "cuda":
 
             def gpu_profile() -> MemoryProfile:
-                return profile_gpu_memory(
-                    self.model,
-                    self.device_config.attention_backend,
+                limits = (
                     scheduler.max_num_batched_tokens,
                     scheduler.max_num_seqs,
                     scheduler.max_model_len,
                     args.block_size,
                 )
+                if self.tp_group is None:
+                    return profile_gpu_memory(
+                        self.model, self.device_config.attention_backend, *limits
+                    )
+                return self._profile_all_ranks(limits)
 
         return kv_blocks_for_budget(
             args,
-            self.model_config.arch,
+            self.arch,
             self.dtype,
             scheduler.max_model_len,
             self._graph_scratch_blocks,
             gpu_profile,
         )
 
+    def _profile_all_ranks(self, limits: tuple[int, int, int, int]) -> MemoryProfile:
+        """Every rank runs the dummy step on its shard (its collectives need them all);
+        ranks hold equal shares, so rank 0's measure stands for each."""
+        assert self.tp_group is not None and isinstance(self.model, TensorParallelDecoder)
+        self.tp_group.send("profile", *limits)
+        announce, self.model.before_logits = self.model.before_logits, None
+        try:
+            return profile_gpu_memory(self.model, self.device_config.attention_backend, *limits)
+        finally:
+            self.model.before_logits = announce
+
     def create_runner(self, cache: CacheConfig, profile: bool = False) -> ModelRunner:
         graphs = None
         if self.device_config.cuda_graph_sizes:
             sizes = self.device_config.cuda_graph_sizes
             graphs = CudaGraphConfig(sizes, self.model_config.max_model_len)
-        return ModelRunner(
-            self.model,
-            self.model_config.arch,
-            cache,
-            self.device_config,
-            StepProfiler(enabled=profile),
-            graphs,
-        )
+        runner_args = (self.model, self.arch, cache, self.device_config)
+        if self.tp_group is not None:
+            self.tp_group.send("kv_cache", cache.num_blocks, cache.block_size)
+            return TensorParallelRunner(
+                *runner_args, StepProfiler(enabled=profile), group=self.tp_group
+            )
+        return ModelRunner(*runner_args, StepProfiler(enabled=profile), graphs)
 
 
 def kv_blocks_for_budget(

@@ -21,6 +21,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tests.deploy.crd import CrdError, CustomResourceDefinition
+
 try:
     import helm_python as helm
 except ImportError as error:  # a setup mistake, not a platform limit: fail loudly
@@ -36,6 +38,12 @@ LINKED_FILES = {
     "files/grafana/pagedserve.json": ROOT / "deploy" / "grafana" / "pagedserve.json",
     "files/prometheus/alerts.yaml": ROOT / "deploy" / "prometheus" / "alerts.yaml",
 }
+# The Gateway API Inference Extension's InferencePool CRD, as its v1.6.0 release publishes it.
+INFERENCE_POOL_CRD = CustomResourceDefinition(
+    ROOT / "tests/data/gateway-api-inference-extension/inferencepools-v1.6.0.yaml"
+)
+# Gateway API's HTTPRoute CRD, standard channel, as its v1.6.1 release publishes it.
+HTTP_ROUTE_CRD = CustomResourceDefinition(ROOT / "tests/data/gateway-api/httproutes-v1.6.1.yaml")
 # Chart.yaml says kubeVersion >=1.25: the oldest supported release and a recent one.
 KUBE_VERSIONS = ("1.25", "1.35")
 
@@ -54,6 +62,18 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "everything-with-hpa": {**EVERYTHING, "autoscaling": {"enabled": True}},
     "everything-with-keda": {**EVERYTHING, "keda": {"enabled": True, "prometheus": PROMETHEUS}},
     "hostpath-model": {"model": {"source": "hostPath", "hostPath": {"path": "/mnt/models"}}},
+    "inference-pool-with-kv-events": {
+        "inferencePool": {
+            "enabled": True,
+            "httpRoute": {"enabled": True, "hostnames": ["llm.example.com"]},
+        },
+        "kvEvents": {"enabled": True},
+        "gpu": {"count": 1},
+        "server": {"tensorParallelSize": 2, "servedModelName": "llama"},
+    },
+    "inference-pool-with-two-pickers": {
+        "inferencePool": {"enabled": True, "endpointPicker": {"replicas": 2}},
+    },
     **{f"example-{path.stem}": helm.values_from_yaml(path.read_text()) for path in EXAMPLE_VALUES},
 }
 
@@ -73,9 +93,15 @@ def render(
     ]
 
 
-def the(manifests: list[dict[str, Any]], kind: str) -> dict[str, Any]:
-    """The one manifest of `kind`."""
-    found = [m for m in manifests if m["kind"] == kind]
+def is_epp(manifest: dict[str, Any]) -> bool:
+    """Whether `manifest` is one of the endpoint picker's (templates/endpoint-picker.yaml)."""
+    labels = manifest["metadata"].get("labels", {})
+    return labels.get("app.kubernetes.io/component") == "endpoint-picker"
+
+
+def the(manifests: list[dict[str, Any]], kind: str, *, epp: bool = False) -> dict[str, Any]:
+    """The one manifest of `kind`: the server's, or with `epp` the endpoint picker's."""
+    found = [m for m in manifests if m["kind"] == kind and is_epp(m) == epp]
     assert len(found) == 1, f"expected one {kind}, got {len(found)}"
     return found[0]
 
@@ -143,6 +169,8 @@ CUSTOM_RESOURCE_CHECKS = {
     "ServiceMonitor": check_service_monitor,
     "PrometheusRule": check_prometheus_rule,
     "ScaledObject": check_scaled_object,
+    "InferencePool": INFERENCE_POOL_CRD.validate,
+    "HTTPRoute": HTTP_ROUTE_CRD.validate,
 }
 
 
@@ -214,6 +242,16 @@ BAD_VALUES = {
     "api-keys-relative-mount": {"apiKeys": {"existingSecret": "k", "mountPath": "keys"}},
     "queue-limit-zero": {"server": {"maxNumQueuedReqs": 0}},
     "tenant-limit-as-word": {"server": {"maxConcurrentRequestsPerTenant": "few"}},
+    "epp-unknown-key": {"inferencePool": {"endpointPicker": {"imageTag": "v1"}}},
+    "epp-zero-replicas": {"inferencePool": {"endpointPicker": {"replicas": 0}}},
+    "epp-unknown-pull-policy": {
+        "inferencePool": {"endpointPicker": {"image": {"pullPolicy": "Sometimes"}}}
+    },
+    "route-unknown-key": {"inferencePool": {"httpRoute": {"path": "/v1"}}},
+    "route-timeout-in-words": {"inferencePool": {"httpRoute": {"requestTimeout": "5 minutes"}}},
+    "route-timeout-too-long": {"inferencePool": {"httpRoute": {"requestTimeout": "123456s"}}},
+    "route-hostname-not-dns": {"inferencePool": {"httpRoute": {"hostnames": ["LLM_host"]}}},
+    "route-gateway-unnamed": {"inferencePool": {"httpRoute": {"gateway": {"name": ""}}}},
 }
 
 
@@ -326,6 +364,7 @@ SERVER_FLAGS = {
     "maxNumQueuedReqs": ("PAGEDSERVE_MAX_NUM_QUEUED_REQS", 512, "512"),
     "maxNumQueuedTokens": ("PAGEDSERVE_MAX_NUM_QUEUED_TOKENS", 262144, "262144"),
     "maxConcurrentRequestsPerTenant": ("PAGEDSERVE_MAX_CONCURRENT_REQUESTS_PER_TENANT", 8, "8"),
+    "tensorParallelSize": ("PAGEDSERVE_TENSOR_PARALLEL_SIZE", 2, "2"),
     "tenantMetrics": ("PAGEDSERVE_TENANT_METRICS", True, "true"),
     "logRequests": ("PAGEDSERVE_LOG_REQUESTS", False, "false"),
     "disableDashboard": ("PAGEDSERVE_DISABLE_DASHBOARD", True, "true"),
@@ -649,3 +688,395 @@ def test_notes_explain_how_to_reach_the_server() -> None:
         notes = chart.render({}, name="demo", namespace="llm")["pagedserve/templates/NOTES.txt"]
     assert "port-forward service/demo-pagedserve 8000:8000" in notes
     assert "/v1/chat/completions" in notes
+
+
+# --- Gateway API Inference Extension, llm-d ---------------------------------------------------
+
+POOL = {"inferencePool": {"enabled": True}, "kvEvents": {"enabled": True}}
+
+
+def pod_labels(manifests: list[dict[str, Any]]) -> dict[str, str]:
+    return the(manifests, "Deployment")["spec"]["template"]["metadata"]["labels"]
+
+
+def test_inference_pool_selects_exactly_its_release() -> None:
+    alpha, beta = render(POOL, release="alpha"), render(POOL, release="beta")
+    for own, other in [(alpha, beta), (beta, alpha)]:
+        pool = the(own, "InferencePool")
+        INFERENCE_POOL_CRD.validate(pool)
+        selector = pool["spec"]["selector"]["matchLabels"]
+        assert matches(selector, pod_labels(own))
+        assert not matches(selector, pod_labels(other))
+        # Exactly the Deployment's pods: the same selector, not a looser one.
+        assert selector == the(own, "Deployment")["spec"]["selector"]["matchLabels"]
+        assert pool["spec"]["targetPorts"] == [{"number": 8000}]
+    assert (
+        the(alpha, "InferencePool")["metadata"]["name"]
+        != the(beta, "InferencePool")["metadata"]["name"]
+    )
+
+
+def test_inference_pool_points_at_the_endpoint_picker() -> None:
+    pool = the(render(POOL, release="alpha"), "InferencePool")
+    assert pool["spec"]["endpointPickerRef"] == {
+        "name": "alpha-pagedserve-epp",
+        "port": {"number": 9002},
+        "failureMode": "FailClose",
+    }
+    values = {"inferencePool": {"enabled": True, "endpointPicker": {"serviceName": "epp"}}}
+    assert the(render(values), "InferencePool")["spec"]["endpointPickerRef"]["name"] == "epp"
+    assert "InferencePool" not in kinds(render())
+
+
+def test_pods_carry_the_engine_type_the_epp_reads() -> None:
+    labels = pod_labels(render(POOL))
+    assert labels["llm-d.ai/engine-type"] == "vllm"
+    assert labels["inference.networking.k8s.io/engine-type"] == "vllm"
+    assert "llm-d.ai/engine-type" not in pod_labels(render())
+
+
+def assert_rejects_each(
+    crd: CustomResourceDefinition, good: dict[str, Any], broken: dict[str, Any]
+) -> None:
+    """`crd` rejects `good` after each of the `broken` damages to its spec."""
+    for name, damage in broken.items():
+        manifest = yaml.safe_load(yaml.safe_dump(good))
+        damage(manifest["spec"])
+        with pytest.raises(CrdError):
+            crd.validate(manifest)
+            pytest.fail(f"{name} passed validation")
+
+
+def test_the_crd_validator_has_teeth() -> None:
+    """Schema (unknown and missing fields, ranges) and CEL rules both reject."""
+    good = the(render(POOL), "InferencePool")
+    INFERENCE_POOL_CRD.validate(good)
+    broken = {
+        "unknown field": lambda spec: spec.update(targetPort=[{"number": 8000}]),
+        "no selector": lambda spec: spec.pop("selector"),
+        "port out of range": lambda spec: spec.update(targetPorts=[{"number": 70000}]),
+        "duplicate ports (CEL)": lambda spec: spec.update(
+            targetPorts=[{"number": 8000}, {"number": 8000}]
+        ),
+        "Service without a port (CEL)": lambda spec: spec["endpointPickerRef"].pop("port"),
+    }
+    assert_rejects_each(INFERENCE_POOL_CRD, good, broken)
+
+
+def test_kv_events_are_published_where_the_indexer_looks() -> None:
+    """vLLM's --kv-events-config, bound on the pod's kv-events port, with llm-d's topic
+    kv@<pod IP>@<model>; the server parses it."""
+    from engine.kv_events import KVEventsConfig
+
+    container = server_container(render({**POOL, "server": {"servedModelName": "llama"}}))
+    names = [e["name"] for e in container["env"]]
+    assert names.index("POD_IP") < names.index("PAGEDSERVE_KV_EVENTS_CONFIG")
+    env = env_of(container)
+    assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    raw = env["PAGEDSERVE_KV_EVENTS_CONFIG"].replace("$(POD_IP)", "10.1.2.3")
+    config = KVEventsConfig.from_json(raw)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert config.enabled and config.endpoint == f"tcp://*:{ports['kv-events']}"
+    assert config.topic == "kv@10.1.2.3@llama"
+    # Without a served name, the name the server derives: the model directory's, or the
+    # bundled model's.
+    pvc = {**POOL, "model": {"source": "pvc", "path": "Llama-3.1-8B-Instruct"}}
+    pvc_env = env_of(server_container(render(pvc)))["PAGEDSERVE_KV_EVENTS_CONFIG"]
+    assert json.loads(pvc_env)["topic"] == "kv@$(POD_IP)@Llama-3.1-8B-Instruct"
+    default_env = env_of(server_container(render(POOL)))["PAGEDSERVE_KV_EVENTS_CONFIG"]
+    assert json.loads(default_env)["topic"] == "kv@$(POD_IP)@SmolLM2-135M-Instruct"
+    assert "PAGEDSERVE_KV_EVENTS_CONFIG" not in env_of(server_container(render()))
+
+
+@pytest.mark.parametrize(("gpus", "ranks", "limit"), [(1, 4, 4), (1, None, 1), (0, 2, None)])
+def test_gpu_count_follows_the_tensor_parallel_size(
+    gpus: int, ranks: int | None, limit: int | None
+) -> None:
+    values = {"gpu": {"count": gpus}, "server": {"tensorParallelSize": ranks}}
+    limits = server_container(render(values))["resources"]["limits"]
+    assert limits.get("nvidia.com/gpu") == limit
+
+
+def test_gpu_count_and_tensor_parallel_size_must_agree() -> None:
+    with pytest.raises(helm.HelmRenderError, match="disagree"):
+        render({"gpu": {"count": 2}, "server": {"tensorParallelSize": 4}})
+
+
+# --- Gateway -> HTTPRoute -> InferencePool -> endpoint picker -------------------------------
+
+ROUTE = {"inferencePool": {"enabled": True, "httpRoute": {"enabled": True}}}
+
+
+def test_http_route_renders_only_when_enabled() -> None:
+    assert "HTTPRoute" not in kinds(render())
+    assert "HTTPRoute" not in kinds(render(POOL))
+    assert "HTTPRoute" in kinds(render(ROUTE))
+    with pytest.raises(helm.HelmRenderError, match=r"needs inferencePool\.enabled"):
+        render({"inferencePool": {"httpRoute": {"enabled": True}}})
+
+
+def test_http_route_sends_the_gateway_to_this_release_pool() -> None:
+    values = {
+        "inferencePool": {
+            "enabled": True,
+            "httpRoute": {
+                "enabled": True,
+                "gateway": {"name": "edge", "namespace": "gateways"},
+                "hostnames": ["llm.example.com"],
+                "requestTimeout": "10m",
+            },
+        }
+    }
+    alpha, beta = render(values, release="alpha"), render(values, release="beta")
+    for own, other in [(alpha, beta), (beta, alpha)]:
+        route = the(own, "HTTPRoute")
+        HTTP_ROUTE_CRD.validate(route)
+        (rule,) = route["spec"]["rules"]
+        assert rule["backendRefs"] == [
+            {
+                "group": "inference.networking.k8s.io",
+                "kind": "InferencePool",
+                "name": the(own, "InferencePool")["metadata"]["name"],
+            }
+        ]
+        assert rule["backendRefs"][0]["name"] != the(other, "InferencePool")["metadata"]["name"]
+        assert rule["timeouts"] == {"request": "10m"}
+    route = the(alpha, "HTTPRoute")["spec"]
+    assert route["parentRefs"] == [
+        {
+            "group": "gateway.networking.k8s.io",
+            "kind": "Gateway",
+            "name": "edge",
+            "namespace": "gateways",
+        }
+    ]
+    assert route["hostnames"] == ["llm.example.com"]
+    # Without a namespace the Gateway is looked up in the route's own.
+    assert "namespace" not in the(render(ROUTE), "HTTPRoute")["spec"]["parentRefs"][0]
+
+
+def test_the_http_route_validator_has_teeth() -> None:
+    good = the(render(ROUTE), "HTTPRoute")
+    HTTP_ROUTE_CRD.validate(good)
+    broken = {
+        "unknown field": lambda spec: spec["rules"][0].update(backendRef={}),
+        "timeout in words": lambda spec: spec["rules"][0]["timeouts"].update(request="5 min"),
+        "backend timeout over the request's (CEL)": lambda spec: spec["rules"][0][
+            "timeouts"
+        ].update(backendRequest="1h"),
+        "relative path (CEL)": lambda spec: spec["rules"][0]["matches"][0]["path"].update(
+            value="v1"
+        ),
+        "no parent name": lambda spec: spec["parentRefs"][0].pop("name"),
+    }
+    assert_rejects_each(HTTP_ROUTE_CRD, good, broken)
+
+
+def epp_pod_labels(manifests: list[dict[str, Any]]) -> dict[str, str]:
+    return the(manifests, "Deployment", epp=True)["spec"]["template"]["metadata"]["labels"]
+
+
+def test_endpoint_picker_and_server_select_only_their_own_pods() -> None:
+    manifests = render(POOL)
+    server_pods, epp_pods = pod_labels(manifests), epp_pod_labels(manifests)
+    epp_deployment, epp_service = (
+        the(manifests, "Deployment", epp=True),
+        the(manifests, "Service", epp=True),
+    )
+    for selector in (
+        epp_deployment["spec"]["selector"]["matchLabels"],
+        epp_service["spec"]["selector"],
+    ):
+        assert matches(selector, epp_pods)
+        assert not matches(selector, server_pods)
+    server_selectors = {
+        "Deployment": the(manifests, "Deployment")["spec"]["selector"]["matchLabels"],
+        "Service": the(manifests, "Service")["spec"]["selector"],
+        "PodDisruptionBudget": the(manifests, "PodDisruptionBudget")["spec"]["selector"][
+            "matchLabels"
+        ],
+        "InferencePool": the(manifests, "InferencePool")["spec"]["selector"]["matchLabels"],
+    }
+    for kind, selector in server_selectors.items():
+        assert matches(selector, server_pods), kind
+        assert not matches(selector, epp_pods), kind
+    # The ServiceMonitor scrapes the server's Service, never the picker's.
+    monitored = render({**POOL, "serviceMonitor": {"enabled": True}})
+    monitor = the(monitored, "ServiceMonitor")["spec"]["selector"]["matchLabels"]
+    assert matches(monitor, the(monitored, "Service")["metadata"]["labels"])
+    assert not matches(monitor, the(monitored, "Service", epp=True)["metadata"]["labels"])
+
+
+def test_two_releases_endpoint_pickers_do_not_overlap() -> None:
+    alpha, beta = render(POOL, release="alpha"), render(POOL, release="beta")
+    for own, other in [(alpha, beta), (beta, alpha)]:
+        selector = the(own, "Deployment", epp=True)["spec"]["selector"]["matchLabels"]
+        assert not matches(selector, epp_pod_labels(other))
+        assert not matches(the(own, "Service", epp=True)["spec"]["selector"], epp_pod_labels(other))
+    names = [{(m["kind"], m["metadata"]["name"]) for m in r if is_epp(m)} for r in (alpha, beta)]
+    assert names[0] and names[0].isdisjoint(names[1])
+
+
+def epp_args(manifests: list[dict[str, Any]]) -> dict[str, str | None]:
+    """The picker's flags: --name value pairs, and --name=value or a bare --name."""
+    (container,) = the(manifests, "Deployment", epp=True)["spec"]["template"]["spec"]["containers"]
+    args, flags = container["args"], {}
+    for i, arg in enumerate(args):
+        if arg.startswith("--"):
+            name, _, value = arg.partition("=")
+            follows = args[i + 1] if i + 1 < len(args) else None
+            bare = value or (follows if follows and not follows.startswith("--") else None)
+            flags[name] = bare
+    return flags
+
+
+def test_endpoint_picker_serves_this_release_pool() -> None:
+    manifests = render(POOL, release="alpha", namespace="llm")
+    pool, service = the(manifests, "InferencePool"), the(manifests, "Service", epp=True)
+    deployment = the(manifests, "Deployment", epp=True)
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    flags = epp_args(manifests)
+    assert flags["--pool-name"] == pool["metadata"]["name"]
+    assert flags["--pool-namespace"] == "llm"
+    assert flags["--pool-group"] == pool["apiVersion"].split("/")[0]
+    # The pool's endpointPickerRef reaches the container's gRPC (ext-proc) port.
+    ref = pool["spec"]["endpointPickerRef"]
+    assert ref["name"] == service["metadata"]["name"]
+    port = next(p for p in service["spec"]["ports"] if p["port"] == ref["port"]["number"])
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports[port["targetPort"]] == int(flags["--grpc-port"] or 0)
+    for probe in (container["livenessProbe"], container["readinessProbe"]):
+        assert probe["grpc"] == {
+            "port": int(flags["--grpc-health-port"] or 0),
+            "service": "inference-extension",
+        }
+    # The config file is the ConfigMap's key, mounted where --config-file reads it.
+    mount = next(
+        m for m in container["volumeMounts"] if flags["--config-file"].startswith(m["mountPath"])
+    )
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    config_map = the(manifests, "ConfigMap", epp=True)
+    assert volume["configMap"]["name"] == config_map["metadata"]["name"]
+    assert flags["--config-file"].removeprefix(mount["mountPath"] + "/") in config_map["data"]
+    assert (
+        pod["serviceAccountName"] == the(manifests, "ServiceAccount", epp=True)["metadata"]["name"]
+    )
+    assert "--ha-enable-leader-election" not in flags
+
+
+def test_endpoint_picker_may_read_what_it_watches() -> None:
+    manifests = render(VARIANTS["inference-pool-with-two-pickers"])
+    rules = the(manifests, "Role", epp=True)["rules"]
+    granted = {
+        (group, resource, verb)
+        for rule in rules
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    for group, resource in [("", "pods"), ("inference.networking.k8s.io", "inferencepools")]:
+        assert {(group, resource, v) for v in ("get", "list", "watch")} <= granted
+    binding = the(manifests, "RoleBinding", epp=True)
+    assert binding["roleRef"]["name"] == the(manifests, "Role", epp=True)["metadata"]["name"]
+    assert (
+        binding["subjects"][0]["name"]
+        == the(manifests, "ServiceAccount", epp=True)["metadata"]["name"]
+    )
+    # Two replicas elect a leader: a Lease, and probes that tell the leader apart.
+    assert "--ha-enable-leader-election" in epp_args(manifests)
+    assert ("coordination.k8s.io", "leases", "update") in granted
+    (container,) = the(manifests, "Deployment", epp=True)["spec"]["template"]["spec"]["containers"]
+    assert container["readinessProbe"]["grpc"]["service"] == "readiness"
+    assert container["livenessProbe"]["grpc"]["service"] == "liveness"
+    single = the(render(POOL), "Role", epp=True)["rules"]
+    assert not any("coordination.k8s.io" in rule["apiGroups"] for rule in single)
+
+
+def test_bring_your_own_endpoint_picker() -> None:
+    values = {
+        "inferencePool": {
+            "enabled": True,
+            "endpointPicker": {"deploy": False, "serviceName": "shared-epp"},
+        }
+    }
+    manifests = render(values)
+    assert not [m for m in manifests if is_epp(m)]
+    assert the(manifests, "InferencePool")["spec"]["endpointPickerRef"]["name"] == "shared-epp"
+    assert not [m for m in render() if is_epp(m)]
+
+
+def epp_config(manifests: list[dict[str, Any]]) -> dict[str, Any]:
+    config_map = the(manifests, "ConfigMap", epp=True)
+    (text,) = config_map["data"].values()
+    return yaml.safe_load(text)
+
+
+def plugins(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Plugin name (its type unless named) -> its parameters."""
+    return {p.get("name", p["type"]): p.get("parameters", {}) for p in config["plugins"]}
+
+
+def references(config: dict[str, Any]) -> set[str]:
+    refs = {p["pluginRef"] for profile in config["schedulingProfiles"] for p in profile["plugins"]}
+    for source in config.get("dataLayer", {}).get("sources", []):
+        refs |= {source["pluginRef"]} | {e["pluginRef"] for e in source.get("extractors", [])}
+    return refs
+
+
+PRECISE = {"token-producer", "precise-prefix-cache-producer", "endpoint-notification-source"}
+
+
+@pytest.mark.parametrize("block_size", [None, 64])
+def test_kv_events_turn_on_precise_prefix_routing(block_size: int | None) -> None:
+    from engine.config import EngineArgs
+
+    values = {
+        **POOL,
+        "kvEvents": {"enabled": True, "port": 6001},
+        "server": {"servedModelName": "llama", "blockSize": block_size},
+    }
+    manifests = render(values, release="alpha", namespace="llm")
+    config = epp_config(manifests)
+    assert (config["apiVersion"], config["kind"]) == ("llm-d.ai/v1alpha1", "EndpointPickerConfig")
+    declared = plugins(config)
+    assert references(config) <= declared.keys()
+    assert declared.keys() >= PRECISE
+    producer = declared["precise-prefix-cache-producer"]
+    ports = {p["name"]: p["containerPort"] for p in server_container(manifests)["ports"]}
+    assert (
+        producer["kvEventsConfig"]["podDiscoveryConfig"]["socketPort"] == ports["kv-events"] == 6001
+    )
+    assert producer["kvEventsConfig"]["discoverPods"] is True
+    # The topic the pods publish on (kv@<pod IP>@<model>) passes the subscriber's filter.
+    topic = json.loads(env_of(server_container(manifests))["PAGEDSERVE_KV_EVENTS_CONFIG"])["topic"]
+    assert topic.startswith(producer["kvEventsConfig"]["topicFilter"])
+    chart_block_size = block_size or EngineArgs().block_size
+    assert producer["tokenProcessorConfig"]["blockSize"] == chart_block_size
+    scorer = declared["prefix-cache-scorer"]
+    assert scorer["prefixMatchInfoProducerName"] == "precise-prefix-cache-producer"
+    # Prompts are tokenized by the server itself, through its Service's render endpoints.
+    service = the(manifests, "Service")
+    tokens = declared["token-producer"]
+    assert tokens["modelName"] == "llama"
+    assert (
+        tokens["vllm"]["url"]
+        == f"http://{service['metadata']['name']}.llm.svc:{service['spec']['ports'][0]['port']}"
+    )
+
+
+def test_without_kv_events_prefix_routing_is_approximate() -> None:
+    config = epp_config(render(POOL | {"kvEvents": {"enabled": False}}))
+    declared = plugins(config)
+    assert references(config) <= declared.keys()
+    assert not PRECISE & declared.keys()
+    assert declared["prefix-cache-scorer"] == {}
+    assert {"queue-scorer", "kv-cache-utilization-scorer", "max-score-picker"} <= declared.keys()
+
+
+def test_endpoint_picker_restarts_when_its_config_changes() -> None:
+    def checksum(values: dict[str, Any]) -> str:
+        deployment = the(render(values), "Deployment", epp=True)
+        return deployment["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+
+    assert checksum(POOL) != checksum(POOL | {"kvEvents": {"enabled": False}})

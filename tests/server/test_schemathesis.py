@@ -51,6 +51,8 @@ def test_the_document_describes_the_request_bodies(api: LiveServer) -> None:
     assert bodies == {
         "/v1/completions": "#/components/schemas/CompletionRequest",
         "/v1/chat/completions": "#/components/schemas/ChatCompletionRequest",
+        "/v1/completions/render": "#/components/schemas/CompletionRequest",
+        "/v1/chat/completions/render": "#/components/schemas/ChatCompletionRequest",
         "/tokenize": "#/components/schemas/TokenizeRequest",
         "/detokenize": "#/components/schemas/DetokenizeRequest",
     }

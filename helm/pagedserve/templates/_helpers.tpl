@@ -138,4 +138,126 @@ Combinations the schema cannot express.
 {{- if and (eq .Values.model.source "image") .Values.model.path (not (isAbs .Values.model.path)) }}
 {{- fail "model.source=image needs an absolute model.path (or an empty one for the default model)" }}
 {{- end }}
+{{- if and .Values.inferencePool.httpRoute.enabled (not .Values.inferencePool.enabled) }}
+{{- fail "inferencePool.httpRoute.enabled needs inferencePool.enabled: the route's backend is the InferencePool" }}
+{{- end }}
+{{- $tp := int (.Values.server.tensorParallelSize | default 1) }}
+{{- if and (gt (int .Values.gpu.count) 1) (gt $tp 1) (ne (int .Values.gpu.count) $tp) }}
+{{- fail (printf "gpu.count (%d) and server.tensorParallelSize (%d) disagree: each rank takes one GPU; set only tensorParallelSize" (int .Values.gpu.count) $tp) }}
+{{- end }}
+{{- end }}
+
+{{/*
+GPUs per pod: one per tensor-parallel rank on a GPU pod (gpu.count > 0), else gpu.count.
+*/}}
+{{- define "pagedserve.gpuCount" -}}
+{{- if gt (int .Values.gpu.count) 0 }}
+{{- max (int .Values.gpu.count) (int (.Values.server.tensorParallelSize | default 1)) }}
+{{- else }}0{{- end }}
+{{- end }}
+
+{{/*
+The model name clients send, as the server derives it: servedModelName, else the model
+directory's name, else the bundled model's.
+*/}}
+{{- define "pagedserve.servedModelName" -}}
+{{- if .Values.server.servedModelName }}{{ .Values.server.servedModelName }}
+{{- else if include "pagedserve.modelPath" . }}{{ base (include "pagedserve.modelPath" .) }}
+{{- else }}SmolLM2-135M-Instruct{{- end }}
+{{- end }}
+
+{{/*
+vLLM's --kv-events-config for this pod: bound on every interface, with llm-d's topic.
+$(POD_IP) is expanded by Kubernetes from the variable defined before it.
+*/}}
+{{- define "pagedserve.kvEventsConfig" -}}
+{{- dict "enable_kv_cache_events" true "publisher" "zmq" "endpoint" (printf "tcp://*:%d" (int .Values.kvEvents.port)) "topic" (printf "kv@$(POD_IP)@%s" (include "pagedserve.servedModelName" .)) | toJson }}
+{{- end }}
+
+{{/*
+The labels the EPP reads to map a pod's metric names: llm-d's key and GIE's older one.
+*/}}
+{{- define "pagedserve.engineTypeLabels" -}}
+llm-d.ai/engine-type: {{ .Values.inferencePool.engineType }}
+inference.networking.k8s.io/engine-type: {{ .Values.inferencePool.engineType }}
+{{- end }}
+
+{{/*
+The endpoint picker's name, and its labels: its own app.kubernetes.io/name, so that no
+selector of the server's (Service, PodDisruptionBudget, ServiceMonitor, InferencePool)
+ever picks its pods or its Service.
+*/}}
+{{- define "pagedserve.eppName" -}}
+{{- .Values.inferencePool.endpointPicker.serviceName | default (printf "%s-epp" (include "pagedserve.fullname" .) | trunc 63 | trimSuffix "-") }}
+{{- end }}
+
+{{- define "pagedserve.eppSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "pagedserve.name" . }}-epp
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: endpoint-picker
+{{- end }}
+
+{{- define "pagedserve.eppLabels" -}}
+helm.sh/chart: {{ include "pagedserve.chart" . }}
+{{ include "pagedserve.eppSelectorLabels" . }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/*
+The EPP's EndpointPickerConfig (llm-d router). With KV events, prefix hits are precise: the
+EPP tokenizes each request through the server's render endpoint and looks its blocks up in
+the index the pods' events keep; without, it estimates them from its own routing history.
+*/}}
+{{- define "pagedserve.eppConfig" -}}
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+  - type: metrics-data-source
+  - type: core-metrics-extractor
+  - type: single-profile-handler
+  - type: queue-scorer
+  - type: kv-cache-utilization-scorer
+  - type: max-score-picker
+{{- if .Values.kvEvents.enabled }}
+  - type: endpoint-notification-source
+  - type: token-producer
+    parameters:
+      modelName: {{ include "pagedserve.servedModelName" . | quote }}
+      vllm:
+        url: {{ printf "http://%s.%s.svc:%d" (include "pagedserve.fullname" .) .Release.Namespace (int .Values.service.port) | quote }}
+  - type: precise-prefix-cache-producer
+    parameters:
+      tokenProcessorConfig:
+        blockSize: {{ .Values.server.blockSize | default 16 }}
+      kvEventsConfig:
+        topicFilter: "kv@"
+        discoverPods: true
+        podDiscoveryConfig:
+          socketPort: {{ .Values.kvEvents.port }}
+  - type: prefix-cache-scorer
+    parameters:
+      prefixMatchInfoProducerName: precise-prefix-cache-producer
+{{- else }}
+  - type: prefix-cache-scorer
+{{- end }}
+dataLayer:
+  sources:
+    - pluginRef: metrics-data-source
+      extractors:
+        - pluginRef: core-metrics-extractor
+{{- if .Values.kvEvents.enabled }}
+    - pluginRef: endpoint-notification-source
+      extractors:
+        - pluginRef: precise-prefix-cache-producer
+{{- end }}
+schedulingProfiles:
+  - name: default
+    plugins:
+      - pluginRef: prefix-cache-scorer
+        weight: 2
+      - pluginRef: kv-cache-utilization-scorer
+        weight: 1
+      - pluginRef: queue-scorer
+        weight: 1
+      - pluginRef: max-score-picker
 {{- end }}
