@@ -1,0 +1,155 @@
+"""Where a step's time goes, per workload: matmul, attention, the rest of the forward,
+sampling, output processing and host work, measured offline with torch.profiler.
+
+    python benchmarks/step_profile.py --workload single-stream throughput shared-prefix
+    python benchmarks/step_profile.py --layers python          # the layers as Python modules
+    python benchmarks/step_profile.py --quantization auto      # the default model's Q4_1 file
+
+Each workload runs twice through pagedserve's LLM: once plain, for the wall time per step,
+and once under the profiler, whose per-op self times give each category's share (the
+profiler adds its own cost per op, so the shares are approximate, the wall time is not).
+`--layers python` drops the native decoder-layer op (engine/models/fused_layers.py), which
+is how the layers ran before it. Output processing here is the LLM's; the HTTP server's
+share is the difference between a served ITL and the step time printed here. Not a test:
+nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from engine import LLM, SamplingParams
+
+WORDS = "river mountain city engine music history garden winter ocean market library".split()
+# (prompts, prompt tokens, shared prefix tokens, output tokens, requests run together)
+WORKLOADS = {
+    "single-stream": (4, 200, 0, 64, 1),
+    "throughput": (64, 200, 0, 64, 64),
+    "shared-prefix": (48, 12, 800, 32, 8),
+}
+MATMUL = ("linear", "mm", "matmul", "quant")
+ATTENTION = ("attention", "paged", "cache")
+SECTIONS = ("forward", "lm_head", "sampler", "output", "step")
+
+
+def prompts(n: int, length: int, prefix: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+
+    def ids(count: int) -> list[int]:
+        return [rng.randrange(1000, 40000) for _ in range(count)]
+
+    shared = ids(prefix)
+    return [shared + ids(length) for _ in range(n)]
+
+
+def annotate(owner: Any, attr: str, label: str) -> None:
+    inner: Callable[..., Any] = getattr(owner, attr)
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with record_function(label):
+            return inner(*args, **kwargs)
+
+    setattr(owner, attr, wrapped)
+
+
+def run(llm: LLM, batch: list[list[int]], output_len: int, together: int) -> int:
+    """Generates for `batch`, `together` requests at a time; returns the steps taken."""
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    before = llm.core.num_steps
+    for i in range(0, len(batch), together):
+        llm.generate(batch[i : i + together], params)
+    return llm.core.num_steps - before
+
+
+def category(name: str, section: str | None) -> str:
+    lowered = name.lower()
+    if section in ("forward", "lm_head"):
+        if section == "lm_head" or any(k in lowered for k in MATMUL):
+            return "matmul"
+        if any(k in lowered for k in ATTENTION):
+            return "attention"
+        return "other forward"
+    return {"sampler": "sampling", "output": "output processing"}.get(section or "", "host")
+
+
+def shares(prof: Any) -> dict[str, float]:
+    """Each category's share of the profiled self time."""
+    totals: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        section, parent = None, event
+        while parent is not None:
+            if parent.name in SECTIONS:
+                section = parent.name
+                break
+            parent = parent.cpu_parent
+        totals[category(event.name, section)] += event.self_cpu_time_total
+    whole = sum(totals.values())
+    return {k: v / whole for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
+
+
+def profile_workload(llm: LLM, name: str) -> dict[str, Any]:
+    n, length, prefix, output_len, together = WORKLOADS[name]
+    batch = prompts(n, length, prefix)
+    llm.reset_prefix_cache()
+    run(llm, batch[:together], 4, together)  # warm-up
+    llm.reset_prefix_cache()
+    start = time.perf_counter()
+    steps = run(llm, batch, output_len, together)
+    elapsed = time.perf_counter() - start
+    llm.reset_prefix_cache()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run(llm, batch, output_len, together)
+    return {
+        "steps": steps,
+        "ms_per_step": 1e3 * elapsed / steps,
+        "output_tok_per_s": n * output_len / elapsed,
+        "shares": shares(prof),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="model directory (default: bundled)")
+    p.add_argument("--workload", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quantization", default="none")
+    p.add_argument("--layers", choices=["native", "python"], default="native")
+    args = p.parse_args()
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        max_num_seqs=64,
+        max_model_len=2048,
+    )
+    runner = llm.core.runner
+    if args.layers == "python":
+        runner.model.fused_layers = None
+    annotate(runner.model, "forward", "forward")
+    annotate(runner.model, "compute_logits", "lm_head")
+    annotate(runner, "sampler", "sampler")
+    annotate(llm._processor, "process_outputs", "output")
+    annotate(llm.core, "step", "step")
+    print(f"threads {torch.get_num_threads()}, layers {args.layers}, {args.quantization}")
+    for name in args.workload:
+        result = profile_workload(llm, name)
+        cells = "  ".join(f"{k} {100 * v:.0f}%" for k, v in result["shares"].items())
+        print(
+            f"{name:14s} {result['ms_per_step']:7.2f} ms/step  "
+            f"{result['output_tok_per_s']:7.1f} tok/s  {cells}",
+            flush=True,
+        )
+        print(json.dumps({"workload": name, **result}))
+
+
+if __name__ == "__main__":
+    main()
