@@ -69,6 +69,12 @@ class EngineArgs:
     )
     quantization_group_size: int = _arg(32, "int4 group size", choices=(32, 64))
     quantize_lm_head: bool = _arg(False, "int8/int4 also quantize the LM head")
+    quantization_dense_copy: bool = _arg(
+        True,
+        "quantized weights also kept dequantized in --dtype, for steps of more than 4 tokens "
+        "(prefill, batched decode), where a dense GEMM is faster; costs the float weights' "
+        "memory on top of the quantized ones",
+    )
     tensor_parallel_size: int = _arg(
         1,
         "shard the model over this many worker processes (Megatron-style; gloo on CPU, NCCL "
@@ -122,13 +128,16 @@ class QuantConfig:
     method: str = "none"  # "none", "gguf", "int8" or "int4"
     group_size: int = 32  # int4 only
     lm_head: bool = False  # int8/int4: the LM head too
+    dense_copy: bool = False  # also the weights dequantized, for steps of many tokens
 
     def describe(self) -> str:
+        copy = ", dense copy for steps of over 4 tokens" if self.dense_copy else ""
         if self.method == "int4":
-            return f"int4 (groups of {self.group_size})" + (", LM head too" if self.lm_head else "")
+            head = ", LM head too" if self.lm_head else ""
+            return f"int4 (groups of {self.group_size}){head}{copy}"
         if self.method == "int8":
-            return "int8 (per channel)" + (", LM head too" if self.lm_head else "")
-        return "GGUF as stored" if self.method == "gguf" else "none"
+            return "int8 (per channel)" + (", LM head too" if self.lm_head else "") + copy
+        return f"GGUF as stored{copy}" if self.method == "gguf" else "none"
 
 
 @dataclass(frozen=True)
@@ -266,7 +275,12 @@ def resolve_quant_config(args: EngineArgs, model: ModelConfig, device_type: str)
         )
     if method == "gguf" and model.gguf is None:
         raise ValueError("--quantization gguf needs a GGUF file: the model has none")
-    return QuantConfig(method, args.quantization_group_size, args.quantize_lm_head)
+    return QuantConfig(
+        method,
+        args.quantization_group_size,
+        args.quantize_lm_head,
+        args.quantization_dense_copy and method != "none",
+    )
 
 
 def resolve_scheduler_config(

@@ -21,10 +21,11 @@ from engine.ops.loader import native_kernels
 _DENSE, _PACKED, _QUANTIZED = 0, 1, 2
 
 
-def linear_weights(layer: Linear) -> Any:
-    """The layer's weight as pagedserve's LinearWeights (dense, oneDNN-packed or quantized)."""
+def linear_weights(layer: Linear, dense: bool = False) -> Any:
+    """The layer's weight as pagedserve's LinearWeights (dense, oneDNN-packed or quantized);
+    with `dense`, a quantized layer's dense copy where it has one."""
     make = torch.classes.pagedserve.LinearWeights
-    if layer.quantized is not None:
+    if layer.quantized is not None and not (dense and layer.has_dense):
         w = layer.quantized
         return make(
             _QUANTIZED, w.qweight, layer.bias, w.scales, w.mins, w.bits, w.group_size, w.n,
@@ -36,16 +37,17 @@ def linear_weights(layer: Linear) -> Any:
     return make(_DENSE, layer.weight.detach(), layer.bias, None, None, 0, 0, 0, 0)
 
 
-def layer_weights(layer: Any) -> Any:
-    """A llama.DecoderLayer's weights as pagedserve's LayerWeights."""
+def layer_weights(layer: Any, dense: bool = False) -> Any:
+    """A llama.DecoderLayer's weights as pagedserve's LayerWeights (`dense`: see
+    linear_weights)."""
     attn, mlp = layer.self_attn, layer.mlp
     q_norm = None if attn.q_norm is None else attn.q_norm.weight.detach()
     k_norm = None if attn.k_norm is None else attn.k_norm.weight.detach()
     return torch.classes.pagedserve.LayerWeights(
-        linear_weights(attn.qkv_proj),
-        linear_weights(attn.o_proj),
-        linear_weights(mlp.gate_up_proj),
-        linear_weights(mlp.down_proj),
+        linear_weights(attn.qkv_proj, dense),
+        linear_weights(attn.o_proj, dense),
+        linear_weights(mlp.gate_up_proj, dense),
+        linear_weights(mlp.down_proj, dense),
         layer.input_layernorm.weight.detach(),
         layer.post_attention_layernorm.weight.detach(),
         q_norm,

@@ -9,7 +9,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.quantized import QuantizedWeight, TiledWeight, pack_tiles, quantized_linear
+from engine.models.quantized import (
+    DENSE_COPY_ROWS,
+    QuantizedWeight,
+    TiledWeight,
+    dequantize,
+    pack_tiles,
+    quantized_linear,
+)
 from engine.ops import native_ops
 
 # oneDNN lays packed weights out for a batch size; any other batch size works as well.
@@ -63,6 +70,17 @@ class Linear(nn.Module):
         self.quantized = pack_tiles(weight)
         self.register_parameter("weight", None)
 
+    def keep_dense_copy(self, dtype: torch.dtype) -> None:
+        """A quantized layer also holds its weight dequantized to `dtype` (packed by `pack`),
+        for steps of more than DENSE_COPY_ROWS tokens."""
+        if self.quantized is not None:
+            weight = dequantize(self.quantized, dtype)
+            self.weight = nn.Parameter(weight, requires_grad=False)
+
+    @property
+    def has_dense(self) -> bool:
+        return self.weight is not None or self.packed is not None
+
     def pack(self) -> None:
         """Where oneDNN can, replaces the weight by its pre-packed layout (the plain
         copy is dropped). Call after the weights are loaded and on their device."""
@@ -71,7 +89,9 @@ class Linear(nn.Module):
             self.register_parameter("weight", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantized is not None:
+        if self.quantized is not None and (
+            not self.has_dense or x.numel() <= DENSE_COPY_ROWS * self.in_features
+        ):
             return quantized_linear(x, self.quantized, self.bias)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)

@@ -25,6 +25,7 @@ from engine.models.layers import (
     packed_linear,
 )
 from engine.models.quantized import (
+    DENSE_COPY_ROWS,
     QuantizedWeight,
     TiledWeight,
     dequantize,
@@ -118,12 +119,16 @@ class DecoderModel(nn.Module):
             else nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size), requires_grad=False)
         )
         self._packed_head: torch.Tensor | None = None
+        # A quantized head's dense copy (--quantization-dense-copy), when oneDNN cannot pack it.
+        self._head_copy: torch.Tensor | None = None
         # Quantized embedding table and LM head (engine/models/quantized.py); a tied model
         # whose table is quantized uses it as its head too.
         self.quantized_embed: TiledWeight | None = None
         self.quantized_head: TiledWeight | None = None
-        # The layers as native ops (engine/models/fused_layers.py), when they can run so.
+        # The layers as native ops (engine/models/fused_layers.py), when they can run so;
+        # with dense copies of quantized weights, a second set for steps of many tokens.
         self.fused_layers: list[Any] | None = None
+        self.fused_dense_layers: list[Any] | None = None
 
     def quantize_embedding(self, weight: QuantizedWeight) -> None:
         """Looks tokens up in `weight` from now on (the float table is dropped)."""
@@ -138,17 +143,28 @@ class DecoderModel(nn.Module):
         if self.lm_head is not None:
             self.register_parameter("lm_head", None)
 
-    def pack_weights(self) -> None:
+    def pack_weights(self, dense_copy: bool = False) -> None:
         """Pre-packs every float linear layer and the LM head where oneDNN can (see
-        layers.onednn_packable); results are unchanged. Call once, after loading."""
+        layers.onednn_packable); results are unchanged. With `dense_copy`, quantized layers
+        and head also keep their weights dequantized, for steps of more than
+        DENSE_COPY_ROWS tokens. Call once, after loading."""
+        dtype = self.norm.weight.dtype
         for module in self.modules():
             if isinstance(module, Linear):
+                if dense_copy:
+                    module.keep_dense_copy(dtype)
                 module.pack()
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        if self.quantized_head is None and head is not None and onednn_packable(head):
+        head: torch.Tensor | None = self.embed_tokens if self.lm_head is None else self.lm_head
+        if self.quantized_head is not None:
+            head = dequantize(self.quantized_head, dtype) if dense_copy else None
+        if head is not None and onednn_packable(head):
             self._packed_head = pack_linear_weight(head.detach())
+        elif self.quantized_head is not None:
+            self._head_copy = head
         if fused_layers_available(self.norm.weight):
             self.fused_layers = [layer_weights(layer) for layer in self.layers]
+            if dense_copy:
+                self.fused_dense_layers = [layer_weights(layer, True) for layer in self.layers]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(num_tokens,) -> (num_tokens, hidden_size) in the model's dtype."""
@@ -163,8 +179,11 @@ class DecoderModel(nn.Module):
         x = self.embed(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         residual = None
-        if self.fused_layers is not None and hasattr(attn, "layer_args"):
-            x, residual = run_fused_layers(self.fused_layers, x, cos, sin, attn)
+        fused = self.fused_layers
+        if self.fused_dense_layers is not None and x.shape[0] > DENSE_COPY_ROWS:
+            fused = self.fused_dense_layers
+        if fused is not None and hasattr(attn, "layer_args"):
+            x, residual = run_fused_layers(fused, x, cos, sin, attn)
         else:
             for layer in self.layers:
                 x, residual = layer(x, residual, cos, sin, attn)
@@ -174,9 +193,12 @@ class DecoderModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(n, hidden_size) -> (n, vocab_size) float32 logits."""
-        if self.quantized_head is not None:
+        copied = self._packed_head is not None or self._head_copy is not None
+        if self.quantized_head is not None and (not copied or len(hidden) <= DENSE_COPY_ROWS):
             return quantized_linear(hidden, self.quantized_head).float()
         if self._packed_head is not None:
             return packed_linear(hidden, self._packed_head, None).float()
-        weight = self.embed_tokens if self.lm_head is None else self.lm_head
+        weight = self._head_copy
+        if weight is None:
+            weight = self.embed_tokens if self.lm_head is None else self.lm_head
         return F.linear(hidden, weight).float()

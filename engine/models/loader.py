@@ -65,7 +65,7 @@ def load_model(
     if quant.method in ("int8", "int4"):
         quantize_model(decoder, quant)
     decoder = decoder.to(device).eval()
-    decoder.pack_weights()
+    decoder.pack_weights(quant.dense_copy and quant.method != "none")
     return decoder, arch
 
 

@@ -123,11 +123,11 @@ class TensorParallelDecoder(DecoderModel):
         _copy_sharded(model, full, shard)
         return model
 
-    def pack_weights(self) -> None:
-        super().pack_weights()
+    def pack_weights(self, dense_copy: bool = False) -> None:
+        super().pack_weights(dense_copy)
         # The native layer op (fused_layers.py) has no all-reduce after o_proj and
         # down_proj: a shard runs its layers through the Python modules, which do.
-        self.fused_layers = None
+        self.fused_layers = self.fused_dense_layers = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         local = input_ids - self.vocab_start

@@ -165,6 +165,10 @@ def from_gguf(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> Quanti
 TILE = 16
 # Steps with more rows than this dequantize the weight and run a dense GEMM instead.
 MAX_KERNEL_ROWS = 16
+# With a dense copy of the weights (--quantization-dense-copy), steps with more rows than
+# this use it: oneDNN's GEMM overtakes the quantized kernel at a few rows, and dequantizing
+# on every step costs milliseconds per layer (benchmarks/quant_kernels.py).
+DENSE_COPY_ROWS = 4
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ def test_info_prints_what_runs_on_this_cpu(default_model_dir: Path) -> None:
         "attention": "cpu-native (auto: the native CPU kernels load)",
         "native kernels": str(native_kernels().isa),
         "torch threads": "1",
-        "quantization": "GGUF as stored",
+        "quantization": "GGUF as stored, dense copy for steps of over 4 tokens",
     }
     assert "CUDA" not in result.stdout
     dense = info(str(default_model_dir), *SETTINGS, "--quantization", "none")

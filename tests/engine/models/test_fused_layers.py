@@ -32,30 +32,35 @@ def forward(model: DecoderModel, fused: bool, seed: int) -> tuple[torch.Tensor, 
     md = build_attention_metadata(COMPUTED, NEW, TABLES, 16)
     backend.plan(md)
     ids = torch.randint(3, 256, (md.num_tokens,), generator=torch.Generator().manual_seed(seed))
-    layers = model.fused_layers
-    model.fused_layers = layers if fused else None
+    layers, dense_layers = model.fused_layers, model.fused_dense_layers
+    if not fused:
+        model.fused_layers = model.fused_dense_layers = None
     try:
         with torch.inference_mode():
             return model(ids, md.positions, backend), cache
     finally:
-        model.fused_layers = layers
+        model.fused_layers, model.fused_dense_layers = layers, dense_layers
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize(
     ("dtype", "quant"),
     [
-        (torch.float32, "none"),
-        (torch.bfloat16, "none"),
-        (torch.bfloat16, "int4"),
-        (torch.float32, "int8"),
+        (torch.float32, QuantConfig("none")),
+        (torch.bfloat16, QuantConfig("none")),
+        (torch.bfloat16, QuantConfig("int4")),
+        (torch.float32, QuantConfig("int8")),
+        (torch.bfloat16, QuantConfig("int4", dense_copy=True)),
+        (torch.float32, QuantConfig("int8", dense_copy=True)),
     ],
+    ids=["f32", "bf16", "bf16-int4", "f32-int8", "bf16-int4-dense", "f32-int8-dense"],
 )
 def test_native_layers_equal_python_layers(
-    tmp_path: Path, kind: str, dtype: torch.dtype, quant: str
+    tmp_path: Path, kind: str, dtype: torch.dtype, quant: QuantConfig
 ) -> None:
-    model, _ = load_model(make_tiny_model(kind, tmp_path), dtype, "cpu", QuantConfig(quant))
+    model, _ = load_model(make_tiny_model(kind, tmp_path), dtype, "cpu", quant)
     assert model.fused_layers is not None and len(model.fused_layers) == model.arch.num_layers
+    assert (model.fused_dense_layers is not None) == quant.dense_copy
     python_hidden, python_cache = forward(model, fused=False, seed=1)
     native_hidden, native_cache = forward(model, fused=True, seed=1)
     assert torch.equal(native_hidden, python_hidden)

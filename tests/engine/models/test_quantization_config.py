@@ -55,7 +55,8 @@ def test_engine_serves_quantized_tiny_models(tmp_path: Path, method: str, lm_hea
     assert quantized.config.quant.method == method
     decoder = quantized.core.runner.model
     layers = [m for m in decoder.modules() if isinstance(m, Linear)]
-    assert layers and all(m.quantized is not None and m.weight is None for m in layers)
+    # Quantized, and (--quantization-dense-copy, on by default) their dequantized copies.
+    assert layers and all(m.quantized is not None and m.has_dense for m in layers)
     assert (decoder.quantized_head is not None) == lm_head
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [20, 21]]  # chunked: 8-token budget
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)

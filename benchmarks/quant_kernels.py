@@ -1,0 +1,66 @@
+"""A quantized linear layer's three ways to run, by step size: the quantized kernel, dequantizing
+on every call then a dense GEMM, and a dense copy (oneDNN-packed bf16) made once.
+
+    python benchmarks/quant_kernels.py [--threads 2] [--rows 1 2 4 8 16 64 512]
+
+Shapes are the default model's (SmolLM2-135M) linear layers: qkv (960x576), o (576x576),
+gate_up (3072x576), down (576x1536), as int4 groups of 32 (the Q4_1 layout). The weights
+stay in the CPU's caches here, unlike in a whole model's step, so the dense copy looks better
+at one row than it is; this shows where the lines cross for many rows, which is what picks
+DENSE_COPY_ROWS. Not a test: nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from engine.models.layers import pack_linear_weight, packed_linear
+from engine.models.quantized import TiledWeight, dequantize, pack_tiles, quantize_int4
+from engine.ops import native_ops
+
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+
+
+def mean_us(fn: Callable[[], object], reps: int) -> float:
+    fn()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - start) / reps * 1e6
+
+
+def ways(x: torch.Tensor, tiled: TiledWeight, packed: torch.Tensor) -> list[Callable[[], object]]:
+    return [
+        lambda: native_ops.quant_linear(x, tiled.kernel_args()),
+        lambda: F.linear(x, dequantize(tiled, x.dtype)),
+        lambda: packed_linear(x, packed, None),
+    ]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 512])
+    p.add_argument("--reps", type=int, default=30)
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"threads {torch.get_num_threads()}; microseconds per call")
+    print(f"{'layer':8s} {'rows':>5s} {'quantized':>10s} {'dequant+gemm':>13s} {'dense copy':>11s}")
+    for name, (n, k) in SHAPES.items():
+        weight = torch.randn(n, k, generator=torch.Generator().manual_seed(n + k))
+        tiled = pack_tiles(quantize_int4(weight, 32))
+        packed = pack_linear_weight(dequantize(tiled, torch.bfloat16))
+        for rows in args.rows:
+            x = torch.randn(rows, k).to(torch.bfloat16)
+            times = [mean_us(fn, args.reps) for fn in ways(x, tiled, packed)]
+            print(f"{name:8s} {rows:5d} {times[0]:10.1f} {times[1]:13.1f} {times[2]:11.1f}")
+
+
+if __name__ == "__main__":
+    main()
