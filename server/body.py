@@ -20,8 +20,14 @@ Body = TypeVar("Body", bound=BaseModel)
 # Deeper than any real request (a tool's JSON schema included), far below the recursion
 # limit that json.loads and pydantic would otherwise hit.
 MAX_DEPTH = 64
+# json.loads recurses once per level, so whether it parses a very deep body depends on the
+# interpreter's recursion limit, which libraries may raise. Bodies that open more than this
+# many levels are refused before parsing, the same way whatever else is loaded.
+MAX_PARSE_DEPTH = 512
 Path = tuple[str | int, ...]
 _PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_BRACKET = re.compile(rb"[\[\]{}]")
 
 
 def parse_body(raw: bytes, model: type[Body]) -> Body:
@@ -35,16 +41,32 @@ def parse_body(raw: bytes, model: type[Body]) -> Body:
 
 def load_json(raw: bytes) -> dict[str, Any]:
     """A JSON object whose nesting and strings are safe to hand on."""
+    too_deep = OpenAIError(400, f"the JSON body is nested deeper than {MAX_DEPTH} levels")
+    if _nesting(raw) > MAX_PARSE_DEPTH:
+        raise too_deep
     try:
         data = json.loads(raw, parse_constant=_reject_constant)
     except RecursionError:
-        raise OpenAIError(400, f"the JSON body is nested deeper than {MAX_DEPTH} levels") from None
+        raise too_deep from None
     except ValueError as exc:  # also invalid UTF-8 and over-long integer literals
         raise OpenAIError(400, f"We could not parse the JSON body of your request: {exc}") from None
     if not isinstance(data, dict):
         raise OpenAIError(400, "the request body must be a JSON object")
     _check_tree(data)
     return data
+
+
+def _nesting(raw: bytes) -> int:
+    """How deep the body's arrays and objects go (brackets inside strings do not count); a
+    lower bound past MAX_PARSE_DEPTH is enough."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_PARSE_DEPTH:
+        return 0  # cannot go deeper than that
+    depth = 0
+    for bracket in _BRACKET.findall(_JSON_STRING.sub(b'""', raw)):
+        depth += 1 if bracket in (b"[", b"{") else -1
+        if depth > MAX_PARSE_DEPTH:
+            break
+    return depth
 
 
 def _reject_constant(name: str) -> Any:

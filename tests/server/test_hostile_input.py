@@ -4,11 +4,14 @@ and the server keeps serving."""
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 import httpx
 import pytest
 
+from server.body import load_json
+from server.errors import OpenAIError
 from tests.server.live import LiveServer
 
 SURROGATE = '"\\ud800"'  # JSON's escape for a lone surrogate, as raw body text
@@ -163,3 +166,18 @@ def test_integral_floats_stay_accepted_where_floats_belong(tiny_server: LiveServ
     assert (
         httpx.post(f"{tiny_server.url}/v1/completions", content=json.dumps(body)).status_code == 200
     )
+
+
+@pytest.mark.parametrize("limit", [1000, 2500, 100_000])
+def test_a_very_deep_body_gets_the_same_answer_whatever_the_recursion_limit(limit: int) -> None:
+    """Libraries raise the interpreter's limit (cel-python sets 2500); a body that only a
+    higher limit lets json.loads parse must still be refused before parsing."""
+    before = sys.getrecursionlimit()
+    sys.setrecursionlimit(limit)
+    try:
+        with pytest.raises(OpenAIError) as refused:
+            load_json(nested(1000))
+    finally:
+        sys.setrecursionlimit(before)
+    assert refused.value.status == 400 and refused.value.param is None
+    assert load_json(body('{"prompt": "' + "[" * 1000 + '"}'))["prompt"] == "[" * 1000
