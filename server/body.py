@@ -42,7 +42,7 @@ def parse_body(raw: bytes, model: type[Body]) -> Body:
 def load_json(raw: bytes) -> dict[str, Any]:
     """A JSON object whose nesting and strings are safe to hand on."""
     too_deep = OpenAIError(400, f"the JSON body is nested deeper than {MAX_DEPTH} levels")
-    if _nesting(raw) > MAX_PARSE_DEPTH:
+    if _deeper_than(raw, MAX_PARSE_DEPTH):
         raise too_deep
     try:
         data = json.loads(raw, parse_constant=_reject_constant)
@@ -56,17 +56,17 @@ def load_json(raw: bytes) -> dict[str, Any]:
     return data
 
 
-def _nesting(raw: bytes) -> int:
-    """How deep the body's arrays and objects go (brackets inside strings do not count); a
-    lower bound past MAX_PARSE_DEPTH is enough."""
-    if raw.count(b"[") + raw.count(b"{") <= MAX_PARSE_DEPTH:
-        return 0  # cannot go deeper than that
+def _deeper_than(raw: bytes, limit: int) -> bool:
+    """Whether the body's arrays and objects open more than `limit` levels (brackets inside
+    strings do not count)."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
     depth = 0
     for bracket in _BRACKET.findall(_JSON_STRING.sub(b'""', raw)):
         depth += 1 if bracket in (b"[", b"{") else -1
-        if depth > MAX_PARSE_DEPTH:
-            break
-    return depth
+        if depth > limit:
+            return True
+    return False
 
 
 def _reject_constant(name: str) -> Any:
