@@ -41,9 +41,15 @@ ENTRY_POINTS = (
     "attention_ops.cpp",
     "elementwise_ops.cpp",
     "quant_ops.cpp",
+    "bf16_linear_ops.cpp",
     "decoder_ops.cpp",
 )
-KERNELS = ("attention_kernels.cpp", "elementwise_kernels.cpp", "quant_kernels.cpp")
+KERNELS = (
+    "attention_kernels.cpp",
+    "elementwise_kernels.cpp",
+    "quant_kernels.cpp",
+    "bf16_linear_kernels.cpp",
+)
 BASELINE_ISA = "isa_portable"
 _AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 _AVX512 = [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]

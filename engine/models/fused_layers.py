@@ -18,11 +18,12 @@ from engine.models.layers import Linear
 from engine.models.quantized import MAX_KERNEL_ROWS
 from engine.ops.loader import native_kernels
 
-_DENSE, _PACKED, _QUANTIZED = 0, 1, 2
+_DENSE, _PACKED, _QUANTIZED, _TILED = 0, 1, 2, 3
 
 
 def linear_weights(layer: Linear, dense: bool = False) -> Any:
-    """The layer's weight as pagedserve's LinearWeights (dense, oneDNN-packed or quantized);
+    """The layer's weight as pagedserve's LinearWeights (dense, oneDNN-packed, quantized or
+    tiled bfloat16);
     with `dense`, a quantized layer's dense copy where it has one."""
     make = torch.classes.pagedserve.LinearWeights
     if layer.quantized is not None and not (dense and layer.has_dense):
@@ -31,6 +32,8 @@ def linear_weights(layer: Linear, dense: bool = False) -> Any:
             _QUANTIZED, w.qweight, layer.bias, w.scales, w.mins, w.bits, w.group_size, w.n,
             MAX_KERNEL_ROWS,
         )  # fmt: skip
+    if layer.tiled is not None:
+        return make(_TILED, layer.tiled, layer.bias, None, None, 0, 0, layer.out_features, 0)
     if layer.packed is not None:
         return make(_PACKED, layer.packed, layer.bias, None, None, 0, 0, 0, 0)
     assert layer.weight is not None

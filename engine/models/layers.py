@@ -18,6 +18,7 @@ from engine.models.quantized import (
     quantized_linear,
 )
 from engine.ops import native_ops
+from engine.ops.loader import native_kernels
 
 # oneDNN lays packed weights out for a batch size; any other batch size works as well.
 _PACK_BATCH_HINT = 64
@@ -37,6 +38,42 @@ def onednn_packable(weight: torch.Tensor) -> bool:
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
         and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     )
+
+
+def bf16_tileable(weight: torch.Tensor) -> bool:
+    """pagedserve's bfloat16 dot-product kernel (engine/ops/csrc/bf16_linear_kernels.cpp): a
+    CPU bf16 weight of even width, where the native kernels run with AVX512_BF16.
+
+    Its results equal oneDNN's up to the order of float32 additions. At the few rows of a
+    decode step it reads the weights at the memory's speed, about 1.6x oneDNN's, and it
+    keeps up with oneDNN at prefill sizes (benchmarks/bf16_linear.py), so where it runs it
+    replaces oneDNN's packed copy rather than sitting beside it.
+    """
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and weight.dim() == 2
+        and weight.shape[1] % 2 == 0
+        and native_kernels().isa == "avx512_bf16"
+    )
+
+
+def tile_bf16_weight(weight: torch.Tensor) -> torch.Tensor:
+    """(N, K) bf16 -> (tiles, K/2, 16, 2): each tile of 16 output rows holds, per pair of k,
+    the rows' weights at k and k + 1 side by side; N is padded to whole tiles with zeros."""
+    n, k = weight.shape
+    tiles = -(-n // 16)
+    padded = torch.cat([weight, weight.new_zeros(tiles * 16 - n, k)]) if n % 16 else weight
+    return padded.reshape(tiles, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def tiled_linear(x: torch.Tensor, tiled: torch.Tensor, n: int) -> torch.Tensor:
+    """x (..., K) @ W^T -> (..., n) for a weight tiled by tile_bf16_weight."""
+    flat = x.reshape(-1, x.shape[-1])
+    y = native_ops.bf16_linear(flat, tiled, n)
+    if y is None:
+        raise RuntimeError("tiled bfloat16 weights need the native CPU kernels")
+    return y.view(*x.shape[:-1], n)
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -60,6 +97,7 @@ class Linear(nn.Module):
         )
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None
+        self.tiled: torch.Tensor | None = None  # tile_bf16_weight's layout
         self.quantized: TiledWeight | None = None
 
     def quantize(self, weight: QuantizedWeight) -> None:
@@ -79,20 +117,31 @@ class Linear(nn.Module):
 
     @property
     def has_dense(self) -> bool:
-        return self.weight is not None or self.packed is not None
+        return self.weight is not None or self.packed is not None or self.tiled is not None
 
-    def pack(self) -> None:
-        """Where oneDNN can, replaces the weight by its pre-packed layout (the plain
-        copy is dropped). Call after the weights are loaded and on their device."""
-        if self.weight is not None and onednn_packable(self.weight):
+    def pack(self, tiled: bool = True) -> None:
+        """Replaces the weight by the bfloat16 kernel's tiled layout where that runs
+        (bf16_tileable; `tiled=False` skips it), else by oneDNN's pre-packed layout where
+        oneDNN can; the plain copy is dropped. Call after the weights are loaded and on
+        their device."""
+        if self.weight is None:
+            return
+        if tiled and bf16_tileable(self.weight):
+            self.tiled = tile_bf16_weight(self.weight.detach())
+        elif onednn_packable(self.weight):
             self.packed = pack_linear_weight(self.weight.detach())
-            self.register_parameter("weight", None)
+        else:
+            return
+        self.register_parameter("weight", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None and (
             not self.has_dense or x.numel() <= DENSE_COPY_ROWS * self.in_features
         ):
             return quantized_linear(x, self.quantized, self.bias)
+        if self.tiled is not None:
+            y = tiled_linear(x, self.tiled, self.out_features)
+            return y if self.bias is None else y + self.bias
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         assert self.weight is not None

@@ -20,9 +20,12 @@ from engine.models.layers import (
     Linear,
     RMSNorm,
     RotaryEmbedding,
+    bf16_tileable,
     onednn_packable,
     pack_linear_weight,
     packed_linear,
+    tile_bf16_weight,
+    tiled_linear,
 )
 from engine.models.quantized import (
     DENSE_COPY_ROWS,
@@ -119,6 +122,8 @@ class DecoderModel(nn.Module):
             else nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size), requires_grad=False)
         )
         self._packed_head: torch.Tensor | None = None
+        self._tiled_head: torch.Tensor | None = None  # layers.tile_bf16_weight's layout
+        self._tiled_head_rows = 0
         # A quantized head's dense copy (--quantization-dense-copy), when oneDNN cannot pack it.
         self._head_copy: torch.Tensor | None = None
         # Quantized embedding table and LM head (engine/models/quantized.py); a tied model
@@ -143,21 +148,26 @@ class DecoderModel(nn.Module):
         if self.lm_head is not None:
             self.register_parameter("lm_head", None)
 
-    def pack_weights(self, dense_copy: bool = False) -> None:
-        """Pre-packs every float linear layer and the LM head where oneDNN can (see
-        layers.onednn_packable); results are unchanged. With `dense_copy`, quantized layers
-        and head also keep their weights dequantized, for steps of more than
-        DENSE_COPY_ROWS tokens. Call once, after loading."""
+    def pack_weights(self, dense_copy: bool = False, tiled: bool = True) -> None:
+        """Lays every float linear layer and the LM head out for its kernel: the bfloat16
+        dot-product kernel's tiles where it runs (layers.bf16_tileable; not with
+        `tiled=False`), else oneDNN's packed layout where oneDNN can
+        (layers.onednn_packable). With `dense_copy`, quantized layers and head also keep
+        their weights dequantized, for steps of more than DENSE_COPY_ROWS tokens. Call
+        once, after loading."""
         dtype = self.norm.weight.dtype
         for module in self.modules():
             if isinstance(module, Linear):
                 if dense_copy:
                     module.keep_dense_copy(dtype)
-                module.pack()
+                module.pack(tiled)
         head: torch.Tensor | None = self.embed_tokens if self.lm_head is None else self.lm_head
         if self.quantized_head is not None:
             head = dequantize(self.quantized_head, dtype) if dense_copy else None
-        if head is not None and onednn_packable(head):
+        if head is not None and tiled and bf16_tileable(head):
+            self._tiled_head = tile_bf16_weight(head.detach())
+            self._tiled_head_rows = head.shape[0]
+        elif head is not None and onednn_packable(head):
             self._packed_head = pack_linear_weight(head.detach())
         elif self.quantized_head is not None:
             self._head_copy = head
@@ -193,9 +203,12 @@ class DecoderModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(n, hidden_size) -> (n, vocab_size) float32 logits."""
-        copied = self._packed_head is not None or self._head_copy is not None
+        copies = (self._packed_head, self._tiled_head, self._head_copy)
+        copied = any(copy is not None for copy in copies)
         if self.quantized_head is not None and (not copied or len(hidden) <= DENSE_COPY_ROWS):
             return quantized_linear(hidden, self.quantized_head).float()
+        if self._tiled_head is not None:
+            return tiled_linear(hidden, self._tiled_head, self._tiled_head_rows).float()
         if self._packed_head is not None:
             return packed_linear(hidden, self._packed_head, None).float()
         weight = self._head_copy

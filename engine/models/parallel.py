@@ -123,8 +123,8 @@ class TensorParallelDecoder(DecoderModel):
         _copy_sharded(model, full, shard)
         return model
 
-    def pack_weights(self, dense_copy: bool = False) -> None:
-        super().pack_weights(dense_copy)
+    def pack_weights(self, dense_copy: bool = False, tiled: bool = True) -> None:
+        super().pack_weights(dense_copy, tiled)
         # The native layer op (fused_layers.py) has no all-reduce after o_proj and
         # down_proj: a shard runs its layers through the Python modules, which do.
         self.fused_layers = self.fused_dense_layers = None

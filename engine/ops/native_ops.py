@@ -111,6 +111,14 @@ def quant_linear(x: torch.Tensor, weight: QuantArgs) -> torch.Tensor | None:
     return torch.ops.pagedserve.quant_linear(x, *weight)
 
 
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor, n: int) -> torch.Tensor | None:
+    """x (M, K) @ W^T for a bfloat16 W tiled by layers.tile_bf16_weight, or None where the
+    native kernel cannot run (not CPU bfloat16, or no native kernels)."""
+    if x.device.type != "cpu" or x.dtype != torch.bfloat16 or not native_kernels().available:
+        return None
+    return torch.ops.pagedserve.bf16_linear(x, weight, n)
+
+
 def quant_dequantize(
     weight: QuantArgs, rows: torch.Tensor | None, dtype: torch.dtype
 ) -> torch.Tensor | None:

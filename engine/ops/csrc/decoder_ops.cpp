@@ -25,14 +25,14 @@ namespace pagedserve {
 namespace {
 
 // How a linear layer's weight is stored (engine/models/layers.py's Linear).
-enum LinearKind : int64_t { kDense = 0, kPacked = 1, kQuantized = 2 };
+enum LinearKind : int64_t { kDense = 0, kPacked = 1, kQuantized = 2, kTiled = 3 };
 
 struct LinearWeights : torch::CustomClassHolder {
   int64_t kind;
-  at::Tensor weight;  // dense (N, K), oneDNN-packed, or tiled quantized
+  at::Tensor weight;  // dense (N, K), oneDNN-packed, tiled quantized or tiled bfloat16
   std::optional<at::Tensor> bias;
   std::optional<at::Tensor> scales, mins;  // quantized only
-  int64_t bits, group_size, n, max_kernel_rows;
+  int64_t bits, group_size, n, max_kernel_rows;  // n: quantized and tiled bfloat16
 
   LinearWeights(int64_t kind, at::Tensor weight, std::optional<at::Tensor> bias,
                 std::optional<at::Tensor> scales, std::optional<at::Tensor> mins, int64_t bits,
@@ -40,7 +40,7 @@ struct LinearWeights : torch::CustomClassHolder {
       : kind(kind), weight(std::move(weight)), bias(std::move(bias)), scales(std::move(scales)),
         mins(std::move(mins)), bits(bits), group_size(group_size), n(n),
         max_kernel_rows(max_kernel_rows) {
-    TORCH_CHECK(kind == kDense || kind == kPacked || kind == kQuantized, "unknown linear kind");
+    TORCH_CHECK(kind >= kDense && kind <= kTiled, "unknown linear kind");
     TORCH_CHECK(kind != kQuantized || this->scales.has_value(), "quantized weights need scales");
   }
 };
@@ -131,6 +131,14 @@ const auto& quant_dequantize_op() {
   return op;
 }
 
+const auto& bf16_linear_op() {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("pagedserve::bf16_linear", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptString&)>();
+  return op;
+}
+
 // torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""), as layers.py calls it.
 at::Tensor packed_linear(const at::Tensor& x, const LinearWeights& w) {
   static const auto op =
@@ -152,7 +160,9 @@ at::Tensor linear(const at::Tensor& x, const LinearWeights& w) {
   if (w.kind == kPacked) return packed_linear(x, w);
   if (w.kind == kDense) return at::linear(x, w.weight, w.bias);
   at::Tensor y;
-  if (x.size(0) <= w.max_kernel_rows) {
+  if (w.kind == kTiled) {
+    y = bf16_linear_op().call(x, w.weight, w.n, std::nullopt);
+  } else if (x.size(0) <= w.max_kernel_rows) {
     y = quant_linear_op().call(x, w.weight, *w.scales, w.mins, w.bits, w.group_size, w.n,
                                std::nullopt);
   } else {

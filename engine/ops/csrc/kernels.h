@@ -154,6 +154,20 @@ struct QuantOut {
   bool bf16;
 };
 
+// A bfloat16 linear layer's weight tiled for the dot-product instructions
+// (bf16_linear_kernels.cpp has the layout): (tiles, K/2, 16, 2), for each tile of 16 output
+// rows and each pair of k, the 16 rows' weights at k and k + 1. N is padded to whole tiles.
+struct Bf16Weight {
+  const c10::BFloat16* w;
+  int64_t N, K;
+  static constexpr int64_t kTile = 16;
+  int64_t tiles() const { return (N + kTile - 1) / kTile; }
+  const c10::BFloat16* tile(int64_t t) const { return w + t * K * kTile; }
+  float value(int64_t n, int64_t k) const {
+    return static_cast<float>(tile(n / kTile)[(k / 2) * 2 * kTile + (n % kTile) * 2 + k % 2]);
+  }
+};
+
 // One instruction set's kernels for element type T. The row kernels cover rows
 // begin..end, so the caller's thread pool splits the work.
 template <typename T>
@@ -172,6 +186,9 @@ struct Kernels {
   // Quantized linear: tiles begin..end of y for `rows`.
   void (*quant_tiles)(const QuantWeight&, const QuantRows&, QuantOut, int64_t begin,
                       int64_t end);
+  // bfloat16 linear: tiles begin..end of y (M, N) = x (M, K) W^T, every row of x.
+  void (*bf16_tiles)(const Bf16Weight&, const c10::BFloat16* x, int64_t M, c10::BFloat16* y,
+                     int64_t begin, int64_t end);
 
   template <typename T>
   const KernelsFor<T>& of() const {
@@ -220,6 +237,8 @@ inline const Kernels& kernels_for(const std::optional<std::string>& isa) {
   void silu_and_mul_rows(const SiluAndMulRows<T>& a, int64_t begin, int64_t end);        \
   void quant_tiles(const QuantWeight& w, const QuantRows& rows, QuantOut out,            \
                    int64_t begin, int64_t end);                                           \
+  void bf16_tiles(const Bf16Weight& w, const c10::BFloat16* x, int64_t M, c10::BFloat16* y, \
+                  int64_t begin, int64_t end);                                            \
   }
 
 PAGEDSERVE_DECLARE_KERNELS(isa_portable)

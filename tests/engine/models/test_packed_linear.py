@@ -1,4 +1,5 @@
-"""oneDNN pre-packed linear layers give exactly F.linear's results, only faster."""
+"""oneDNN pre-packed linear layers give exactly F.linear's results, only faster (where the
+bfloat16 dot-product kernel does not take their place: tests/engine/ops/test_bf16_linear.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 from engine.attention.backend import allocate_kv_cache
 from engine.attention.metadata import build_attention_metadata
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.models.layers import Linear, onednn_packable
+from engine.models.layers import Linear, bf16_tileable, onednn_packable
 from engine.models.llama import DecoderModel
 from engine.models.loader import WeightLoader, _iter_safetensors, load_model
 from tests.tiny_models import make_tiny_model
@@ -32,7 +33,7 @@ def test_packed_linear_equals_f_linear(rows: int) -> None:
     layer.bias.data.normal_()  # type: ignore[union-attr]
     layer = layer.to(dtype)
     weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()  # type: ignore[union-attr]
-    layer.pack()
+    layer.pack(tiled=False)
     assert layer.packed is not None and layer.weight is None
     x = torch.randn(rows, 96, dtype=dtype)
     assert torch.equal(layer(x), F.linear(x, weight, bias))
@@ -45,23 +46,38 @@ def test_other_dtypes_stay_on_f_linear(dtype: torch.dtype) -> None:
     assert layer.packed is None and layer.weight is not None
 
 
-@needs_onednn
-def test_packed_model_gives_identical_logits(tmp_path: Path) -> None:
-    path = make_tiny_model("qwen2", tmp_path)  # qkv bias, untied head
-    packed, arch = load_model(path, torch.bfloat16, "cpu")  # load_model packs
-    assert packed._packed_head is not None
-    plain = DecoderModel(arch).to(torch.bfloat16)
-    WeightLoader(plain, arch).load(_iter_safetensors(path))
-    plain.eval()
+def logits(model: DecoderModel) -> torch.Tensor:
+    arch = model.arch
     md = build_attention_metadata([0, 0], [5, 9], [[0], [1]], block_size=16)
-    ids = torch.randint(3, 256, (14,))
-    outs = []
-    for model in (packed, plain):
-        cache = allocate_kv_cache(
-            arch.num_layers, 4, 16, arch.num_kv_heads, arch.head_dim, torch.bfloat16, "cpu"
-        )
-        backend = TorchAttentionBackend(cache, arch.num_heads, arch.head_dim**-0.5)
-        backend.plan(md)
-        with torch.inference_mode():
-            outs.append(model.compute_logits(model(ids, md.positions, backend)))
-    assert torch.equal(outs[0], outs[1])
+    ids = torch.randint(3, 256, (14,), generator=torch.Generator().manual_seed(0))
+    cache = allocate_kv_cache(
+        arch.num_layers, 4, 16, arch.num_kv_heads, arch.head_dim, torch.bfloat16, "cpu"
+    )
+    backend = TorchAttentionBackend(cache, arch.num_heads, arch.head_dim**-0.5)
+    backend.plan(md)
+    with torch.inference_mode():
+        return model.compute_logits(model(ids, md.positions, backend))
+
+
+@needs_onednn
+@pytest.mark.parametrize("tiled", [False, True])
+def test_packed_model_gives_the_plain_models_logits(tmp_path: Path, tiled: bool) -> None:
+    """oneDNN's packed layout gives identical logits; the bfloat16 kernel's tiles (where this
+    CPU runs them) the same up to float32 summation order."""
+    path = make_tiny_model("qwen2", tmp_path)  # qkv bias, untied head
+    loaded, arch = load_model(path, torch.bfloat16, "cpu")  # load_model packs
+    models = []
+    for pack in (True, False):
+        model = DecoderModel(arch).to(torch.bfloat16)
+        WeightLoader(model, arch).load(_iter_safetensors(path))
+        if pack:
+            model.pack_weights(tiled=tiled)
+        models.append(model.eval())
+    packed, plain = models
+    if tiled and bf16_tileable(plain.lm_head):  # type: ignore[arg-type]
+        assert packed._tiled_head is not None and loaded._tiled_head is not None
+        torch.testing.assert_close(logits(packed), logits(plain), rtol=0.05, atol=0.05)
+        assert torch.equal(logits(packed), logits(loaded))
+    else:
+        assert packed._packed_head is not None
+        assert torch.equal(logits(packed), logits(plain))

@@ -1,0 +1,169 @@
+// bfloat16 linear layers on the CPU, y = x W^T, for decode-sized steps: a few rows of x
+// against a weight that is read once per step, so the speed is the memory's.
+//
+// Layout (made by engine/models/layers.py's tile_bf16_weight): 16 output rows form a tile,
+// and within a tile, for each pair of k, the 16 rows' weights at k and k + 1 lie side by
+// side: (tiles, K/2, 16, 2). One 64-byte load is then one vdpbf16ps operand whose lane i is
+// row i's pair, and the broadcast activation pair (x[k], x[k+1]) is the other: lane i adds
+// row i's two products. A tile's outputs accumulate lane-wise, with no horizontal sums, and
+// each weight vector loaded serves every row of x in the pass.
+//
+//   sum_k w[n, k] x[k]: each product of two bfloat16 numbers is exact in float32, and the
+//   sums are float32, as in oneDNN's bfloat16 matmul; only the order of additions differs.
+//
+// The weights stream from memory once per pass; at one row of x the loop is a load and a
+// dot product per 64 bytes, so it runs at the memory's speed. oneDNN's packed bfloat16
+// GEMM, which serves the larger steps, reads at about half that speed at one row.
+//
+// Compiled once per instruction set (kernels.h): the dot-product path exists in the
+// AVX512_BF16 set; every set has the portable loop (the reference for its arithmetic),
+// which the model uses only where the dot product is missing (it then keeps oneDNN).
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "kernels.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define PAGEDSERVE_BF16_DOT 1
+#endif
+
+namespace pagedserve::PAGEDSERVE_ISA {
+namespace {
+
+// Rows of x per pass over a tile: each weight vector loaded serves this many.
+constexpr int64_t kRows = 8;
+// Steps of at least this many rows run two tiles per pass.
+constexpr int64_t kPairRows = 4;
+
+// Rounds to bfloat16, nearest even, as c10::BFloat16's conversion does.
+inline uint16_t round_bf16(float f) {
+  return c10::BFloat16(f).x;
+}
+
+[[maybe_unused]] void tile_portable(const Bf16Weight& w, int64_t t, const c10::BFloat16* x, int64_t rows,
+                   c10::BFloat16* y) {
+  const int64_t n0 = t * Bf16Weight::kTile, count = std::min(Bf16Weight::kTile, w.N - n0);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < count; ++i) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < w.K; ++k) {
+        acc += w.value(n0 + i, k) * static_cast<float>(x[r * w.K + k]);
+      }
+      y[r * w.N + n0 + i].x = round_bf16(acc);
+    }
+  }
+}
+
+#ifdef PAGEDSERVE_BF16_DOT
+
+// Stores a tile's 16 float32 lanes as bfloat16 (nearest even), the first `count` of them.
+inline void store_bf16(c10::BFloat16* dst, __m512 lanes, int64_t count) {
+  // bits + 0x7FFF + (bit 16 of bits), then the top half: round to nearest, ties to even.
+  const __m512i bits = _mm512_castps_si512(lanes);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  // NaN becomes c10's NaN, 0x7FC0.
+  const __mmask16 nan = _mm512_cmp_ps_mask(lanes, lanes, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC00000));
+  const __m256i halves = _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+  _mm256_mask_storeu_epi16(dst, static_cast<__mmask16>((1u << count) - 1), halves);
+}
+
+// Tiles t..t+T-1 (T = 1 or 2) for R rows of x. With two tiles, each broadcast activation
+// pair serves both tiles' weight vectors: fewer loads per dot product, for steps of many rows.
+template <int64_t R, int64_t T>
+void tiles_dot(const Bf16Weight& w, int64_t t, const c10::BFloat16* x, c10::BFloat16* y) {
+  // With few rows, alternate partial sums so consecutive dot products do not wait on each
+  // other's latency.
+  constexpr int64_t P = R * T >= 4 ? 1 : (R * T >= 2 ? 2 : 4);
+  const int64_t pairs = w.K / 2;
+  __m512 acc[T][R][P];
+  for (int64_t j = 0; j < T; ++j) {
+    for (int64_t r = 0; r < R; ++r) {
+      for (int64_t p = 0; p < P; ++p) acc[j][r][p] = _mm512_setzero_ps();
+    }
+  }
+  // x's pair k / 2 of row r, as the int32 that vpbroadcastd repeats.
+  auto x_pair = [&](int64_t r, int64_t pair) {
+    int32_t v;
+    std::memcpy(&v, x + r * w.K + 2 * pair, sizeof(v));
+    return (__m512bh)_mm512_set1_epi32(v);
+  };
+  auto step = [&](int64_t pair, int64_t p) {
+    __m512bh wv[T];
+    for (int64_t j = 0; j < T; ++j) {
+      wv[j] = (__m512bh)_mm512_loadu_si512(w.tile(t + j) + pair * 2 * Bf16Weight::kTile);
+    }
+#pragma GCC unroll 8
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512bh xv = x_pair(r, pair);
+      for (int64_t j = 0; j < T; ++j) acc[j][r][p] = _mm512_dpbf16_ps(acc[j][r][p], wv[j], xv);
+    }
+  };
+  int64_t pair = 0;
+  for (; pair + P <= pairs; pair += P) {
+#pragma GCC unroll 4
+    for (int64_t p = 0; p < P; ++p) step(pair + p, p);
+  }
+  for (; pair < pairs; ++pair) step(pair, 0);
+  for (int64_t j = 0; j < T; ++j) {
+    const int64_t n0 = (t + j) * Bf16Weight::kTile;
+    const int64_t count = std::min(Bf16Weight::kTile, w.N - n0);
+    for (int64_t r = 0; r < R; ++r) {
+      __m512 sum = acc[j][r][0];
+      for (int64_t p = 1; p < P; ++p) sum = _mm512_add_ps(sum, acc[j][r][p]);
+      store_bf16(y + r * w.N + n0, sum, count);
+    }
+  }
+}
+
+template <int64_t T>
+void tiles_rows(const Bf16Weight& w, int64_t t, const c10::BFloat16* x, int64_t rows,
+                c10::BFloat16* y) {
+  switch (rows) {
+    case 8: return tiles_dot<8, T>(w, t, x, y);
+    case 7: return tiles_dot<7, T>(w, t, x, y);
+    case 6: return tiles_dot<6, T>(w, t, x, y);
+    case 5: return tiles_dot<5, T>(w, t, x, y);
+    case 4: return tiles_dot<4, T>(w, t, x, y);
+    case 3: return tiles_dot<3, T>(w, t, x, y);
+    case 2: return tiles_dot<2, T>(w, t, x, y);
+    default: return tiles_dot<1, T>(w, t, x, y);
+  }
+}
+
+// Tiles t..t+count-1 (count = 1 or 2) for `rows` rows.
+void tile_rows(const Bf16Weight& w, int64_t t, int64_t count, const c10::BFloat16* x,
+               int64_t rows, c10::BFloat16* y) {
+  if (count == 2) return tiles_rows<2>(w, t, x, rows, y);
+  tiles_rows<1>(w, t, x, rows, y);
+}
+
+#else
+
+void tile_rows(const Bf16Weight& w, int64_t t, int64_t count, const c10::BFloat16* x,
+               int64_t rows, c10::BFloat16* y) {
+  for (int64_t j = 0; j < count; ++j) tile_portable(w, t + j, x, rows, y);
+}
+
+#endif  // PAGEDSERVE_BF16_DOT
+
+}  // namespace
+
+void bf16_tiles(const Bf16Weight& w, const c10::BFloat16* x, int64_t M, c10::BFloat16* y,
+                int64_t begin, int64_t end) {
+  // Tile-major: a pair of tiles' weights (K * 64 bytes) stay in the cache for every pass of
+  // rows. One row at a time goes one tile at a time: the loop is the memory's then.
+  const int64_t step = M >= kPairRows ? 2 : 1;
+  for (int64_t t = begin; t < end; t += step) {
+    const int64_t count = std::min(step, end - t);
+    for (int64_t r0 = 0; r0 < M; r0 += kRows) {
+      tile_rows(w, t, count, x + r0 * w.K, std::min(kRows, M - r0), y + r0 * w.N);
+    }
+  }
+}
+
+}  // namespace pagedserve::PAGEDSERVE_ISA

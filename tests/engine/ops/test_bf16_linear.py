@@ -1,0 +1,129 @@
+"""The bfloat16 dot-product linear kernel (engine/ops/csrc/bf16_linear_kernels.cpp) against a
+dense float64 reference, in every instruction set this CPU runs, and the layers that use it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.models.layers import Linear, bf16_tileable, tile_bf16_weight, tiled_linear
+from engine.ops.loader import native_kernels
+
+pytestmark = pytest.mark.skipif(not native_kernels().available, reason="no native kernels")
+
+ISAS = list(native_kernels().supported)
+needs_bf16_dot = pytest.mark.skipif(
+    "avx512_bf16" not in ISAS, reason="this CPU has no AVX512_BF16 dot product"
+)
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.double() @ weight.double().T
+
+
+def assert_rounded_reference(y: torch.Tensor, ref: torch.Tensor) -> None:
+    """y is the float64 result rounded to bfloat16, up to float32 summation order: within a
+    bfloat16 step of |y| plus a float32-sized error of the products' magnitudes."""
+    assert y.dtype == torch.bfloat16
+    step = ref.abs() * 2**-8
+    assert ((y.double() - ref).abs() <= step + 1e-4).all(), (y.double() - ref).abs().max()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(
+    ("n", "k", "m"),
+    [
+        (16, 2, 1),
+        (37, 64, 1),
+        (960, 576, 1),
+        (50, 30, 3),
+        (40, 96, 4),
+        (33, 128, 9),
+        (576, 1536, 17),
+    ],
+)
+def test_kernel_matches_the_float64_reference(isa: str, n: int, k: int, m: int) -> None:
+    g = torch.Generator().manual_seed(n * k + m)
+    weight = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(m, k, generator=g).bfloat16()
+    y = torch.ops.pagedserve.bf16_linear(x, tile_bf16_weight(weight), n, isa)
+    assert y.shape == (m, n)
+    assert_rounded_reference(y, reference(x, weight))
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("m", [1, 2, 7, 64, 513])
+def test_every_row_count_takes_the_same_values_as_the_portable_loop(m: int) -> None:
+    """The dot-product path (one or two tiles per pass, 1-8 rows) against the portable loop,
+    which rounds the same float32 sums: they may differ only by summation order."""
+    g = torch.Generator().manual_seed(m)
+    weight, x = (
+        torch.randn(200, 96, generator=g).bfloat16(),
+        torch.randn(m, 96, generator=g).bfloat16(),
+    )
+    tiled = tile_bf16_weight(weight)
+    fast = torch.ops.pagedserve.bf16_linear(x, tiled, 200, "avx512_bf16")
+    slow = torch.ops.pagedserve.bf16_linear(x, tiled, 200, "portable")
+    torch.testing.assert_close(fast, slow, rtol=2**-7, atol=1e-3)
+    assert_rounded_reference(fast, reference(x, weight))
+
+
+def test_tiles_pad_rows_and_keep_every_weight() -> None:
+    weight = torch.arange(20 * 6, dtype=torch.float32).view(20, 6).bfloat16()
+    tiled = tile_bf16_weight(weight)
+    assert tiled.shape == (2, 3, 16, 2)
+    assert torch.equal(tiled[1, :, 4:].float(), torch.zeros(3, 12, 2))  # rows 20..31
+    for n, k in [(0, 0), (5, 3), (17, 4), (19, 5)]:
+        assert tiled[n // 16, k // 2, n % 16, k % 2] == weight[n, k]
+
+
+def test_bad_shapes_are_refused() -> None:
+    tiled = tile_bf16_weight(torch.randn(32, 8).bfloat16())
+    with pytest.raises(RuntimeError, match="x must be"):
+        torch.ops.pagedserve.bf16_linear(torch.randn(1, 6).bfloat16(), tiled, 32)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        torch.ops.pagedserve.bf16_linear(torch.randn(1, 8).bfloat16(), tiled, 33)
+    with pytest.raises(RuntimeError, match="x must be"):
+        torch.ops.pagedserve.bf16_linear(torch.randn(1, 8), tiled, 32)
+
+
+def test_special_values_round_like_torch() -> None:
+    """Rounding to bfloat16 is nearest-even as torch's; infinities and NaN pass through."""
+    weight = torch.zeros(16, 2).bfloat16()
+    weight[0, 0], weight[1, 0], weight[2, 0], weight[3, 0] = 1, -1, 1, 1
+    x = torch.tensor([[float("inf"), 0.0]]).bfloat16()
+    y = torch.ops.pagedserve.bf16_linear(x, tile_bf16_weight(weight), 16)
+    assert y[0, 0] == float("inf") and y[0, 1] == float("-inf")
+    x = torch.tensor([[float("nan"), 0.0]]).bfloat16()
+    assert torch.ops.pagedserve.bf16_linear(x, tile_bf16_weight(weight), 16)[0, :4].isnan().all()
+    # 1 + 2^-8 is a tie between bfloat16 neighbours 1 and 1 + 2^-7: even wins (1).
+    weight = torch.zeros(16, 2).bfloat16()
+    weight[0] = torch.tensor([1.0, 2**-8])
+    y = torch.ops.pagedserve.bf16_linear(torch.ones(1, 2).bfloat16(), tile_bf16_weight(weight), 16)
+    assert y[0, 0].item() == torch.tensor(1 + 2**-8).bfloat16().item() == 1.0
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_a_bf16_layer_runs_on_tiles(rows: int) -> None:
+    torch.manual_seed(rows)
+    layer = Linear(96, 160, bias=True)
+    layer.weight.data.normal_()  # type: ignore[union-attr]
+    layer.bias.data.normal_()  # type: ignore[union-attr]
+    layer = layer.to(torch.bfloat16)
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()  # type: ignore[union-attr]
+    assert bf16_tileable(weight)
+    layer.pack()
+    assert layer.tiled is not None and layer.weight is None and layer.packed is None
+    x = torch.randn(2, rows, 96, dtype=torch.bfloat16)
+    y = layer(x)
+    assert y.shape == (2, rows, 160)
+    torch.testing.assert_close(y, F.linear(x, weight, bias), rtol=2**-7, atol=2e-2)
+    assert torch.equal(y, tiled_linear(x, layer.tiled, 160) + bias)
+
+
+def test_other_weights_are_not_tiled() -> None:
+    assert not bf16_tileable(torch.empty(4, 8))  # float32: MKL keeps Hugging Face's numerics
+    assert not bf16_tileable(torch.empty(4, 7, dtype=torch.bfloat16))  # odd K
+    assert not bf16_tileable(torch.empty(4, 8, dtype=torch.float16))
