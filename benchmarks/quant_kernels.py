@@ -1,5 +1,6 @@
 """A quantized linear layer's three ways to run, by step size: the quantized kernel, dequantizing
-on every call then a dense GEMM, and a dense copy (oneDNN-packed bf16) made once.
+on every call then a dense GEMM, and a dense copy made once (laid out for the bf16 kernel
+where the CPU has AVX512-BF16, else oneDNN-packed: as the model holds it).
 
     python benchmarks/quant_kernels.py [--threads 2] [--rows 1 2 4 8 16 64 512]
 
@@ -19,7 +20,13 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.models.layers import pack_linear_weight, packed_linear
+from engine.models.layers import (
+    bf16_tileable,
+    pack_linear_weight,
+    packed_linear,
+    tile_bf16_weight,
+    tiled_linear,
+)
 from engine.models.quantized import TiledWeight, dequantize, pack_tiles, quantize_int4
 from engine.ops import native_ops
 
@@ -34,11 +41,22 @@ def mean_us(fn: Callable[[], object], reps: int) -> float:
     return (time.perf_counter() - start) / reps * 1e6
 
 
-def ways(x: torch.Tensor, tiled: TiledWeight, packed: torch.Tensor) -> list[Callable[[], object]]:
+def dense_copy(weight: torch.Tensor) -> Callable[[torch.Tensor], object]:
+    """The dense copy's layout and kernel, as layers.Linear.pack picks them."""
+    if bf16_tileable(weight):
+        tiles, n = tile_bf16_weight(weight), weight.shape[0]
+        return lambda x: tiled_linear(x, tiles, n)
+    packed = pack_linear_weight(weight)
+    return lambda x: packed_linear(x, packed, None)
+
+
+def ways(
+    x: torch.Tensor, tiled: TiledWeight, copy: Callable[[torch.Tensor], object]
+) -> list[Callable[[], object]]:
     return [
         lambda: native_ops.quant_linear(x, tiled.kernel_args()),
         lambda: F.linear(x, dequantize(tiled, x.dtype)),
-        lambda: packed_linear(x, packed, None),
+        lambda: copy(x),
     ]
 
 
@@ -55,10 +73,10 @@ def main() -> None:
     for name, (n, k) in SHAPES.items():
         weight = torch.randn(n, k, generator=torch.Generator().manual_seed(n + k))
         tiled = pack_tiles(quantize_int4(weight, 32))
-        packed = pack_linear_weight(dequantize(tiled, torch.bfloat16))
+        copy = dense_copy(dequantize(tiled, torch.bfloat16))
         for rows in args.rows:
             x = torch.randn(rows, k).to(torch.bfloat16)
-            times = [mean_us(fn, args.reps) for fn in ways(x, tiled, packed)]
+            times = [mean_us(fn, args.reps) for fn in ways(x, tiled, copy)]
             print(f"{name:8s} {rows:5d} {times[0]:10.1f} {times[1]:13.1f} {times[2]:11.1f}")
 
 

@@ -10,8 +10,9 @@ needs the tokens, right after.
 
 Default sizes aim at a queued request starting within about a minute at the configured
 batch: `max_num_queued_reqs = 8 * max_num_seqs` (eight full batches; at a typical few
-seconds per request that is under a minute) and `max_num_queued_tokens =
-64 * max_num_batched_tokens` (64 full prefill steps).
+seconds per request that is under a minute) and `max_num_queued_tokens` the larger of
+64 full prefill steps (`64 * max_num_batched_tokens`) and 8 prompts of the longest length
+(`8 * max_model_len`): a step budget made small for latency does not shrink the queue.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from server.errors import OpenAIError
 
 QUEUE_BATCHES = 8
 QUEUE_PREFILL_STEPS = 64
+QUEUE_LONGEST_PROMPTS = 8
 # Seconds a rejected client should wait: the queue moves every engine step.
 RETRY_AFTER_S = 1
 
@@ -40,11 +42,15 @@ class QueueLimits:
         max_tokens: int | None,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        max_model_len: int,
     ) -> QueueLimits:
         """The limits given, else the defaults sized from the engine's batch."""
+        default_tokens = max(
+            QUEUE_PREFILL_STEPS * max_num_batched_tokens, QUEUE_LONGEST_PROMPTS * max_model_len
+        )
         return cls(
             max_requests if max_requests is not None else QUEUE_BATCHES * max_num_seqs,
-            max_tokens if max_tokens is not None else QUEUE_PREFILL_STEPS * max_num_batched_tokens,
+            max_tokens if max_tokens is not None else default_tokens,
         )
 
 

@@ -81,6 +81,7 @@ def create_app(engine: AsyncLLM | Callable[[], AsyncLLM], settings: ServerSettin
             settings.max_num_queued_tokens,
             scheduler.max_num_seqs,
             scheduler.max_num_batched_tokens,
+            scheduler.max_model_len,
         )
         admission = Admission(loaded, limits, metrics.count_rejection)
         loaded.start(metrics.record)

@@ -51,7 +51,8 @@ class ServerSettings(BaseModel):
     max_num_queued_tokens: int | None = Field(
         default=None,
         gt=0,
-        description="queued prompt tokens before 503 (default: 64 x --max-num-batched-tokens)",
+        description="queued prompt tokens before 503 (default: the larger of "
+        "64 x --max-num-batched-tokens and 8 x --max-model-len)",
     )
     shutdown_timeout: float = Field(
         default=30.0, ge=0, description="seconds in-flight requests get after SIGTERM"

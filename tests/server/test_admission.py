@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from engine import EngineHooks
+from server.admission import QueueLimits
 from tests.server.conftest import tiny_engine
 from tests.server.live import LiveServer
 
@@ -149,3 +150,17 @@ def test_queued_tokens_limit(server: LiveServer) -> None:
     assert httpx.post(url, json=big | {"prompt": "t42 t43"}, timeout=60).status_code == 200
     for thread in [*blockers, pending]:
         thread.join()
+
+
+@pytest.mark.parametrize(
+    ("budget", "max_model_len", "expected_tokens"),
+    [(512, 4096, 64 * 512), (128, 4096, 8 * 4096), (8192, 2048, 64 * 8192)],
+)
+def test_default_token_limit_outlasts_a_small_step_budget(
+    budget: int, max_model_len: int, expected_tokens: int
+) -> None:
+    """The queue's token default is 64 full prefill steps, but never fewer tokens than 8
+    longest prompts: a budget lowered for latency must not turn a burst into 503s."""
+    limits = QueueLimits.resolve(None, None, 64, budget, max_model_len)
+    assert limits == QueueLimits(8 * 64, expected_tokens)
+    assert QueueLimits.resolve(3, 7, 64, budget, max_model_len) == QueueLimits(3, 7)
