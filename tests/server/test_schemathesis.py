@@ -109,5 +109,11 @@ def test_no_server_error_and_every_response_as_documented(
         ops = [op for op in ops if op.method.upper() == "POST"]
     calls = {op.label: run_operation(api, op, mode) for op in ops}
     assert sum(calls.values()) >= len(ops) * 5, calls
-    ok = api.metric("vllm:request_success_total", finished_reason="length")
-    assert ok > 0, "no generated request ever ran the engine"
+    # Which generated cases pass validation varies with the order tests run in (hypothesis
+    # shares state across a session), and a sampled request may end on a stop string or
+    # EOS before max_tokens: any finished generation shows the engine ran.
+    finished = sum(
+        api.metric("vllm:request_success_total", finished_reason=reason)
+        for reason in ("length", "stop")
+    )
+    assert finished > 0, "no generated request ever ran the engine"
