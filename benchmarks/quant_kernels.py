@@ -8,14 +8,17 @@ Shapes are the default model's (SmolLM2-135M) linear layers: qkv (960x576), o (5
 gate_up (3072x576), down (576x1536), as int4 groups of 32 (the Q4_1 layout). The weights
 stay in the CPU's caches here, unlike in a whole model's step, so the dense copy looks better
 at one row than it is; this shows where the lines cross for many rows, which is what picks
-DENSE_COPY_ROWS. Not a test: nothing is asserted.
+DENSE_COPY_ROWS. Then the quantized kernel alone over 30 layers in a step's order, streamed from
+memory as in decode (rows up to 16). Not a test: nothing is asserted.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +32,9 @@ from engine.models.layers import (
 )
 from engine.models.quantized import TiledWeight, dequantize, pack_tiles, quantize_int4
 from engine.ops import native_ops
+
+sys.path.insert(0, str(Path(__file__).parent))
+from hardware_limits import best_of
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 
@@ -78,6 +84,29 @@ def main() -> None:
             x = torch.randn(rows, k).to(torch.bfloat16)
             times = [mean_us(fn, args.reps) for fn in ways(x, tiled, copy)]
             print(f"{name:8s} {rows:5d} {times[0]:10.1f} {times[1]:13.1f} {times[2]:11.1f}")
+    stream(args.rows)
+
+
+def stream(row_counts: list[int], layers: int = 30) -> None:
+    """The quantized kernel over a whole model's layers in a step's order, so the weights
+    stream from memory as in decode (the figures above stay in the caches)."""
+    g = torch.Generator().manual_seed(0)
+    model = [
+        pack_tiles(quantize_int4(torch.randn(n, k, generator=g), 32))
+        for _ in range(layers)
+        for n, k in SHAPES.values()
+    ]
+    nbytes = sum(w.nbytes for w in model)
+    print(f"{layers} layers streamed ({nbytes / 1e6:.1f} MB of int4-g32), best of 5 passes")
+    for rows in (r for r in row_counts if r <= 16):
+        xs = {k: torch.randn(rows, k, generator=g).bfloat16() for _, k in SHAPES.values()}
+
+        def one_pass(xs: dict[int, torch.Tensor] = xs) -> None:
+            for w in model:
+                native_ops.quant_linear(xs[w.shape[1]], w.kernel_args())
+
+        seconds = best_of(one_pass, 5)
+        print(f"rows {rows:3d}: {seconds * 1e3:7.2f} ms, {nbytes / seconds / 1e9:5.1f} GB/s")
 
 
 if __name__ == "__main__":

@@ -20,12 +20,6 @@ from engine.models.layers import (
     Linear,
     RMSNorm,
     RotaryEmbedding,
-    bf16_tileable,
-    onednn_packable,
-    pack_linear_weight,
-    packed_linear,
-    tile_bf16_weight,
-    tiled_linear,
 )
 from engine.models.quantized import (
     DENSE_COPY_ROWS,
@@ -121,11 +115,9 @@ class DecoderModel(nn.Module):
             if arch.tie_word_embeddings
             else nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size), requires_grad=False)
         )
-        self._packed_head: torch.Tensor | None = None
-        self._tiled_head: torch.Tensor | None = None  # layers.tile_bf16_weight's layout
-        self._tiled_head_rows = 0
-        # A quantized head's dense copy (--quantization-dense-copy), when oneDNN cannot pack it.
-        self._head_copy: torch.Tensor | None = None
+        # The LM head laid out for its kernel (Linear.pack), or a quantized head's dense copy
+        # (--quantization-dense-copy); None: the head runs on its plain weight.
+        self.dense_head: Linear | None = None
         # Quantized embedding table and LM head (engine/models/quantized.py); a tied model
         # whose table is quantized uses it as its head too.
         self.quantized_embed: TiledWeight | None = None
@@ -164,13 +156,13 @@ class DecoderModel(nn.Module):
         head: torch.Tensor | None = self.embed_tokens if self.lm_head is None else self.lm_head
         if self.quantized_head is not None:
             head = dequantize(self.quantized_head, dtype) if dense_copy else None
-        if head is not None and tiled and bf16_tileable(head):
-            self._tiled_head = tile_bf16_weight(head.detach())
-            self._tiled_head_rows = head.shape[0]
-        elif head is not None and onednn_packable(head):
-            self._packed_head = pack_linear_weight(head.detach())
-        elif self.quantized_head is not None:
-            self._head_copy = head
+        if head is not None:
+            layer = Linear(head.shape[1], head.shape[0])
+            layer.weight = nn.Parameter(head.detach(), requires_grad=False)
+            layer.pack(tiled)
+            # A plain float head that no kernel lays out stays where it is (no second handle).
+            if layer.weight is None or self.quantized_head is not None:
+                self.dense_head = layer
         if fused_layers_available(self.norm.weight):
             self.fused_layers = [layer_weights(layer) for layer in self.layers]
             if dense_copy:
@@ -203,15 +195,10 @@ class DecoderModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(n, hidden_size) -> (n, vocab_size) float32 logits."""
-        copies = (self._packed_head, self._tiled_head, self._head_copy)
-        copied = any(copy is not None for copy in copies)
-        if self.quantized_head is not None and (not copied or len(hidden) <= DENSE_COPY_ROWS):
+        dense = self.dense_head
+        if self.quantized_head is not None and (dense is None or len(hidden) <= DENSE_COPY_ROWS):
             return quantized_linear(hidden, self.quantized_head).float()
-        if self._tiled_head is not None:
-            return tiled_linear(hidden, self._tiled_head, self._tiled_head_rows).float()
-        if self._packed_head is not None:
-            return packed_linear(hidden, self._packed_head, None).float()
-        weight = self._head_copy
-        if weight is None:
-            weight = self.embed_tokens if self.lm_head is None else self.lm_head
+        if dense is not None:
+            return dense(hidden).float()
+        weight = self.embed_tokens if self.lm_head is None else self.lm_head
         return F.linear(hidden, weight).float()

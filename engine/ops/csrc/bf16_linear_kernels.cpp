@@ -61,8 +61,9 @@ inline uint16_t round_bf16(float f) {
 
 #ifdef PAGEDSERVE_BF16_DOT
 
-// How far ahead of the weights being read to ask for them: past what the hardware
-// prefetcher does alone (benchmarks/bf16_linear.py). A prefetch past the end never faults.
+// How far ahead of the weights being read to ask for them: built with and without, it
+// helped at 4 rows and little at one (benchmarks/bf16_linear.py). A prefetch past the end
+// never faults.
 constexpr int64_t kPrefetchAhead = 4096;
 
 // Stores a tile's 16 float32 lanes as bfloat16 (nearest even), the first `count` of them.

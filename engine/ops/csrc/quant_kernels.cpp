@@ -91,9 +91,9 @@ void tile_portable(const QuantWeight& w, int64_t t, const QuantRows& a, QuantOut
 
 #ifdef PAGEDSERVE_QUANT_AVX512
 
-// How far ahead of the block being read to ask for the weights: the hardware prefetcher
-// alone leaves a decode step's weight stream about 15% short of this (measured with
-// benchmarks/quant_kernels.py's streaming figures).
+// How far ahead of the block being read to ask for the weights: without it, a decode step's
+// weight stream ran about 15% slower (built with and without, benchmarks/quant_kernels.py's
+// streamed figures).
 constexpr int64_t kPrefetchAhead = 4096;
 
 // Asks for the cache lines of the block kPrefetchAhead bytes past `blk` (reading past the end

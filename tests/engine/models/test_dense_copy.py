@@ -23,7 +23,7 @@ def load(path: Path, method: str, dense_copy: bool, lm_head: bool = False) -> De
 
 
 def linears(model: DecoderModel) -> list[Linear]:
-    return [m for m in model.modules() if isinstance(m, Linear)]
+    return [m for m in model.layers.modules() if isinstance(m, Linear)]
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
@@ -56,8 +56,8 @@ def test_a_layer_takes_the_copy_past_a_few_rows(tmp_path: Path, rows: int) -> No
 def test_a_quantized_head_keeps_a_copy_too(tmp_path: Path) -> None:
     path = make_tiny_model("llama", tmp_path)
     with_copy, without = load(path, "int4", True, lm_head=True), load(path, "int4", False, True)
-    assert with_copy.quantized_head is not None and with_copy._head_copy is not None
-    assert without._head_copy is None and without._packed_head is None
+    assert with_copy.quantized_head is not None and with_copy.dense_head is not None
+    assert without.dense_head is None
     hidden = torch.randn(MAX_KERNEL_ROWS, with_copy.arch.hidden_size)
     with torch.inference_mode():
         for rows in (1, DENSE_COPY_ROWS + 1, MAX_KERNEL_ROWS):
@@ -68,5 +68,8 @@ def test_a_quantized_head_keeps_a_copy_too(tmp_path: Path) -> None:
                 atol=1e-4,
             )
         rows = hidden[: DENSE_COPY_ROWS + 1]
-        copy = torch.nn.functional.linear(rows, with_copy._head_copy).float()
+        weight = with_copy.dense_head.weight  # float32: neither tiled nor oneDNN-packed
+        assert weight is not None
+        assert torch.equal(weight, dequantize(with_copy.quantized_head, torch.float32))
+        copy = torch.nn.functional.linear(rows, weight).float()
         assert torch.equal(with_copy.compute_logits(rows), copy)

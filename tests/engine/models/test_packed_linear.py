@@ -75,9 +75,10 @@ def test_packed_model_gives_the_plain_models_logits(tmp_path: Path, tiled: bool)
         models.append(model.eval())
     packed, plain = models
     if tiled and bf16_tileable(plain.lm_head):  # type: ignore[arg-type]
-        assert packed._tiled_head is not None and loaded._tiled_head is not None
+        for model in (packed, loaded):
+            assert model.dense_head is not None and model.dense_head.tiled is not None
         torch.testing.assert_close(logits(packed), logits(plain), rtol=0.05, atol=0.05)
         assert torch.equal(logits(packed), logits(loaded))
     else:
-        assert packed._packed_head is not None
+        assert packed.dense_head is not None and packed.dense_head.packed is not None
         assert torch.equal(logits(packed), logits(plain))

@@ -54,7 +54,7 @@ def test_engine_serves_quantized_tiny_models(tmp_path: Path, method: str, lm_hea
     quantized = LLM(str(path), quantization=method, quantize_lm_head=lm_head, **options)  # type: ignore[arg-type]
     assert quantized.config.quant.method == method
     decoder = quantized.core.runner.model
-    layers = [m for m in decoder.modules() if isinstance(m, Linear)]
+    layers = [m for m in decoder.layers.modules() if isinstance(m, Linear)]
     # Quantized, and (--quantization-dense-copy, on by default) their dequantized copies.
     assert layers and all(m.quantized is not None and m.has_dense for m in layers)
     assert (decoder.quantized_head is not None) == lm_head
