@@ -2,6 +2,7 @@
 
     python benchmarks/attention_cpu.py --dtype bfloat16 --rounds 10
     python benchmarks/attention_cpu.py --isas      # also each instruction set this CPU runs
+    python benchmarks/attention_cpu.py --num-decodes 8 --context 830 --shared-prefix 800
 
 SmolLM2-135M shapes by default (9 query heads, 3 KV heads, head_dim 64, 30 layers). Each
 call is the backend's `forward` as the model runs it: write this step's K/V through the
@@ -30,8 +31,11 @@ from engine.ops.loader import native_kernels
 Step = tuple[torch.Tensor, list[tuple[torch.Tensor, ...]], AttentionMetadata]
 
 
-def make_step(args: argparse.Namespace, computed: list[int], new: list[int]) -> Step:
-    """A KV cache filled with random history, one step's metadata and its q/k/v per layer."""
+def make_step(
+    args: argparse.Namespace, computed: list[int], new: list[int], shared_prefix: int = 0
+) -> Step:
+    """A KV cache filled with random history, one step's metadata and its q/k/v per layer.
+    The requests' first `shared_prefix` keys are on the same pages."""
     dtype = getattr(torch, args.dtype)
     rng = np.random.default_rng(0)
     pages = [-(-(c + n) // args.block_size) for c, n in zip(computed, new, strict=True)]
@@ -42,6 +46,9 @@ def make_step(args: argparse.Namespace, computed: list[int], new: list[int]) -> 
     kv_cache.normal_()
     order = rng.permutation(num_blocks).tolist()
     tables = [[order.pop() for _ in range(p)] for p in pages]
+    shared_pages = shared_prefix // args.block_size  # the prefix cache's layout of a prompt
+    for table in tables[1:]:
+        table[:shared_pages] = tables[0][:shared_pages]
     md = build_attention_metadata(computed, new, tables, args.block_size)
     qkv: list[tuple[torch.Tensor, ...]] = [
         (
@@ -72,9 +79,16 @@ def isa_backend(kv_cache: torch.Tensor, args: argparse.Namespace, isa: str) -> A
     return backend
 
 
-def bench(name: str, args: argparse.Namespace, computed: list[int], new: list[int]) -> None:
-    """Alternates short rounds of each backend, so background load hits all alike."""
-    step = make_step(args, computed, new)
+def bench(
+    name: str,
+    args: argparse.Namespace,
+    computed: list[int],
+    new: list[int],
+    shared_prefix: int = 0,
+) -> None:
+    """Alternates short rounds of each backend, so background load hits all alike. K+V is
+    what a layer would read without sharing."""
+    step = make_step(args, computed, new, shared_prefix)
     kv_cache, _, md = step
     backends = {
         name: create_backend(name, kv_cache, args.heads, args.head_dim**-0.5)
@@ -118,6 +132,12 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=30, help="layer calls per round")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        help="also time the decodes with their first N keys on the same pages",
+    )
+    parser.add_argument(
         "--isas", action="store_true", help="also time each instruction set's kernels"
     )
     args = parser.parse_args()
@@ -131,6 +151,14 @@ def main() -> None:
     contexts = rng.integers(args.context - 50, args.context + 50, size=n).tolist()
     bench(f"decode {n} x ~{args.context}", args, contexts, [1] * n)
     bench(f"prefill {args.prefill_len}", args, [0], [args.prefill_len])
+    if args.shared_prefix:
+        bench(
+            f"decode {n} x ~{args.context}, {args.shared_prefix} shared",
+            args,
+            [max(c, args.shared_prefix) for c in contexts],
+            [1] * n,
+            args.shared_prefix,
+        )
     mixed = contexts[: n // 2]
     bench(
         f"mixed {len(mixed)} decodes + 256",

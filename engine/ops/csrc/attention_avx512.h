@@ -219,7 +219,7 @@ struct Prefetcher {
   const T* k_cache;
   const T* v_cache;
   PageCursor cursor;
-  int64_t num_keys, row_bytes, issued = 0;
+  int64_t num_keys, row_bytes, issued;  // issued: keys requested so far, from the first
 
   void advance_to(int64_t key) {  // key: the first key whose compute has not started
     const int64_t stop = std::min(num_keys, key + kPrefetchKeys);
@@ -253,7 +253,7 @@ class AttentionItem {
 
  public:
   AttentionItem(const Problem<T>& pb, const WorkItem& it, Scratch& s)
-      : pb_(pb), it_(it), s_(s), sp_(span_of(pb, it.req)),
+      : pb_(pb), it_(it), s_(s), sp_(span_of(pb, it.req)), keys_(keys_of(sp_, it)),
         M_((it.row_end - it.row_begin) * pb.group),
         q_rows_(reinterpret_cast<const QK**>(s.q_rows.data())) {
     for (int j = 0; j < kChunk; ++j) buffer_rows_[j] = j * D;
@@ -261,23 +261,24 @@ class AttentionItem {
 
   void run() {
     load_queries();
-    std::fill_n(s_.acc.begin(), M_ * D, 0.0f);
-    std::fill_n(s_.row_max.begin(), M_, kNegInf);
-    std::fill_n(s_.row_sum.begin(), M_, 0.0f);
-    const int64_t num_keys = sp_.computed + it_.row_end;
-    PageCursor cursor = cursor_for(pb_, sp_, it_.kv_head);
-    Prefetcher<T> prefetcher{pb_.k_cache, pb_.v_cache, cursor, num_keys,
-                             D * static_cast<int64_t>(sizeof(T))};
-    prefetcher.advance_to(0);
+    start_states(pb_, it_, sp_, M_, s_);
+    PageCursor cursor = cursor_for(pb_, sp_, it_.kv_head, keys_.begin);
+    Prefetcher<T> prefetcher{pb_.k_cache, pb_.v_cache, cursor, keys_.end,
+                             D * static_cast<int64_t>(sizeof(T)), keys_.begin};
+    prefetcher.advance_to(keys_.begin);
     int64_t rows[kChunk];
-    for (int64_t c = 0; c < num_keys; c += kChunk) {
-      const int n = static_cast<int>(std::min<int64_t>(kChunk, num_keys - c));
+    for (int64_t c = keys_.begin; c < keys_.end; c += kChunk) {
+      const int n = static_cast<int>(std::min<int64_t>(kChunk, keys_.end - c));
       cursor.next_rows(n, rows);
       prefetcher.advance_to(c + n);
       softmax_chunk(rows, c, n);
       accumulate_chunk(rows, n);
     }
-    write_outputs();
+    if (keys_.shared) {
+      save_states(pb_, it_, sp_, M_, s_);
+    } else {
+      write_outputs();
+    }
   }
 
  private:
@@ -314,7 +315,7 @@ class AttentionItem {
     std::fill(k_rows + n, k_rows + kChunk, k_rows[0]);  // scored, then masked out
     const __m512 scale = _mm512_set1_ps(pb_.scale);
     for (int64_t m = 0; m < M_; ++m) {
-      const int cnt = visible_keys(sp_.computed, row_of(m), c, n);
+      const int cnt = visible_keys(keys_, sp_.computed, row_of(m), c, n);
       __m512 p = _mm512_setzero_ps();
       s_.alpha[m] = 1.0f;
       if (cnt > 0) {  // else the whole chunk is in this row's future
@@ -393,6 +394,7 @@ class AttentionItem {
   const WorkItem& it_;
   Scratch& s_;
   const Span sp_;
+  const ItemKeys keys_;
   const int64_t M_;
   const QK** q_rows_;
   int64_t buffer_rows_[kChunk];  // rows of a widened chunk in scratch: j * D

@@ -61,16 +61,74 @@ struct PageCursor {
   }
 };
 
+// A cursor at key first_key, which starts a page.
 template <typename T>
-PageCursor cursor_for(const Problem<T>& pb, const Span& sp, int64_t kv_head) {
+PageCursor cursor_for(const Problem<T>& pb, const Span& sp, int64_t kv_head, int64_t first_key) {
   const int64_t row_stride = pb.num_kv_heads * pb.head_dim;
-  return {sp.pages, pb.block_size, row_stride, kv_head * pb.head_dim};
+  PageCursor cursor{sp.pages, pb.block_size, row_stride, kv_head * pb.head_dim};
+  cursor.page = first_key / pb.block_size;
+  return cursor;
+}
+
+// The keys begin..end that a work item walks (see WorkItem).
+struct ItemKeys {
+  int64_t begin, end;
+  bool shared;  // a shared-prefix item: every row sees every key, and states are saved
+};
+
+inline ItemKeys keys_of(const Span& sp, const WorkItem& it) {
+  if (it.shared_keys > 0) return {0, it.shared_keys, true};
+  return {it.key_begin, sp.computed + it.row_end, false};
 }
 
 // Keys that query row i (of a request with `computed` cached keys) sees in the chunk
 // starting at key c holding n keys: at most n, none when the chunk lies in its future.
 inline int visible_keys(int64_t computed, int64_t i, int64_t c, int n) {
   return static_cast<int>(std::clamp<int64_t>(computed + i + 1 - c, 0, n));
+}
+
+inline int visible_keys(const ItemKeys& keys, int64_t computed, int64_t i, int64_t c, int n) {
+  return keys.shared ? n : visible_keys(computed, i, c, n);
+}
+
+// The saved online-softmax state of row i (from the span's first row) and one head.
+template <typename T>
+float* saved_state(const Problem<T>& pb, const Span& sp, int64_t i, int64_t head) {
+  const int64_t num_heads = pb.num_kv_heads * pb.group;
+  return pb.state + ((sp.q_begin + i) * num_heads + head) * (pb.head_dim + 2);
+}
+
+// Starts the item's M query vectors (m = row * group + head in group): fresh, or where a
+// shared-prefix item left them.
+template <typename T>
+void start_states(const Problem<T>& pb, const WorkItem& it, const Span& sp, int64_t M,
+                  Scratch& s) {
+  const int64_t D = pb.head_dim, G = pb.group;
+  if (it.key_begin == 0) {
+    std::fill_n(s.acc.begin(), M * D, 0.0f);
+    std::fill_n(s.row_max.begin(), M, kNegInf);
+    std::fill_n(s.row_sum.begin(), M, 0.0f);
+    return;
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    const float* st = saved_state(pb, sp, it.row_begin + m / G, it.kv_head * G + m % G);
+    std::copy_n(st, D, &s.acc[m * D]);
+    s.row_max[m] = st[D];
+    s.row_sum[m] = st[D + 1];
+  }
+}
+
+// What a shared-prefix item leaves for the items that go on from its last key.
+template <typename T>
+void save_states(const Problem<T>& pb, const WorkItem& it, const Span& sp, int64_t M,
+                 const Scratch& s) {
+  const int64_t D = pb.head_dim, G = pb.group;
+  for (int64_t m = 0; m < M; ++m) {
+    float* st = saved_state(pb, sp, it.row_begin + m / G, it.kv_head * G + m % G);
+    std::copy_n(&s.acc[m * D], D, st);
+    st[D] = s.row_max[m];
+    st[D + 1] = s.row_sum[m];
+  }
 }
 
 inline float to_float(float x) { return x; }

@@ -26,6 +26,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -38,6 +39,8 @@ namespace {
 using PAGEDSERVE_ISA::span_of;
 
 constexpr int64_t kTileQueries = 48;  // query vectors (rows * group) per work item
+// Keys requests must share, page for page, to be read once for all of them.
+constexpr int64_t kMinSharedKeys = 128;
 
 // ---------------------------------------------------------------------------------------
 // Planning and threading.
@@ -46,8 +49,88 @@ constexpr int64_t kTileQueries = 48;  // query vectors (rows * group) per work i
 // one long prefill splits into many items for the threads to share.
 int64_t rows_per_tile(int64_t group) { return std::max<int64_t>(1, kTileQueries / group); }
 
+// Requests req_begin..req_end (consecutive, so their rows are too) whose first `keys` keys
+// sit on the same pages, and which all see those keys in full.
+struct SharedPrefix {
+  int64_t req_begin, req_end, keys;
+};
+
+// Runs of consecutive requests that share leading pages (a common system prompt, or the
+// prompt of an n > 1 request, cached once by the prefix cache). Their shared keys are read
+// once for all of them, by items over all their rows, and each request then resumes from
+// there. Online softmax walks the keys in the same chunks either way, so the AVX-512
+// kernels give the same result bit for bit (the portable one may sum a score in another
+// order); block sizes that are not a multiple of the chunk never share.
 template <typename T>
-std::vector<WorkItem> plan_items(const Problem<T>& pb, int64_t num_reqs) {
+std::vector<SharedPrefix> find_shared_prefixes(const Problem<T>& pb, int64_t num_reqs) {
+  std::vector<SharedPrefix> runs;
+  if (pb.block_size % kChunk != 0) return runs;
+  const int32_t* pages = pb.kv_indices;
+  // Pages of request r that every one of its rows sees in full.
+  auto seen_pages = [&](int64_t r) { return span_of(pb, r).computed / pb.block_size; };
+  auto q_len = [&](int64_t r) { return pb.qo_indptr[r + 1] - pb.qo_indptr[r]; };
+  const int64_t min_pages = (kMinSharedKeys + pb.block_size - 1) / pb.block_size;
+  int64_t r0 = 0;
+  while (r0 < num_reqs) {
+    int64_t shared = q_len(r0) > 0 ? seen_pages(r0) : 0, r1 = r0 + 1;
+    for (; r1 < num_reqs && q_len(r1) > 0; ++r1) {
+      const int32_t* a = pages + pb.kv_indptr[r0];
+      const int32_t* b = pages + pb.kv_indptr[r1];
+      const int64_t limit = std::min(shared, seen_pages(r1));
+      int64_t common = 0;
+      while (common < limit && a[common] == b[common]) ++common;
+      if (common < min_pages) break;
+      shared = common;
+    }
+    if (r1 - r0 >= 2 && shared >= min_pages) runs.push_back({r0, r1, shared * pb.block_size});
+    r0 = r1;
+  }
+  return runs;
+}
+
+// The items of one pass, longest first: they are handed out dynamically, which balances
+// them without knowing the thread count.
+void sort_by_cost(std::vector<WorkItem>& items) {
+  std::stable_sort(items.begin(), items.end(),
+                   [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+}
+
+// Items over each shared prefix: all the rows of its requests, for each KV head. The rows
+// are cut into enough tiles to give every thread work, even for a few decodes.
+template <typename T>
+std::vector<WorkItem> plan_shared_items(const Problem<T>& pb,
+                                        const std::vector<SharedPrefix>& runs) {
+  std::vector<WorkItem> items;
+  const int64_t threads = at::get_num_threads();
+  for (const SharedPrefix& run : runs) {
+    const int64_t rows = pb.qo_indptr[run.req_end] - pb.qo_indptr[run.req_begin];
+    const int64_t tiles = std::min(
+        rows, std::max((rows + rows_per_tile(pb.group) - 1) / rows_per_tile(pb.group),
+                       (2 * threads + pb.num_kv_heads - 1) / pb.num_kv_heads));
+    const int64_t tile_rows = (rows + tiles - 1) / tiles;
+    for (int64_t i0 = 0; i0 < rows; i0 += tile_rows) {
+      const int64_t i1 = std::min(rows, i0 + tile_rows);
+      for (int64_t h = 0; h < pb.num_kv_heads; ++h) {
+        WorkItem item{static_cast<int32_t>(run.req_begin), static_cast<int32_t>(h),
+                      static_cast<int32_t>(i0), static_cast<int32_t>(i1)};
+        item.shared_keys = static_cast<int32_t>(run.keys);
+        item.cost = (i1 - i0) * pb.group * run.keys + 256;
+        items.push_back(item);
+      }
+    }
+  }
+  sort_by_cost(items);
+  return items;
+}
+
+// Every request's items, each starting after its shared prefix if it has one.
+template <typename T>
+std::vector<WorkItem> plan_items(const Problem<T>& pb, int64_t num_reqs,
+                                 const std::vector<SharedPrefix>& runs) {
+  std::vector<int64_t> key_begin(num_reqs, 0);
+  for (const SharedPrefix& run : runs) {
+    std::fill(key_begin.begin() + run.req_begin, key_begin.begin() + run.req_end, run.keys);
+  }
   std::vector<WorkItem> items;
   const int64_t rows = rows_per_tile(pb.group);
   for (int64_t r = 0; r < num_reqs; ++r) {
@@ -56,32 +139,34 @@ std::vector<WorkItem> plan_items(const Problem<T>& pb, int64_t num_reqs) {
     for (int64_t i0 = 0; i0 < q_len; i0 += rows) {
       const int64_t i1 = std::min(q_len, i0 + rows);
       // Key rows visited times query vectors, plus a fixed cost per item.
-      const int64_t cost = (i1 - i0) * pb.group * (computed + i1) + 256;
+      const int64_t cost = (i1 - i0) * pb.group * (computed + i1 - key_begin[r]) + 256;
       for (int64_t h = 0; h < pb.num_kv_heads; ++h) {
-        items.push_back({static_cast<int32_t>(r), static_cast<int32_t>(h),
-                         static_cast<int32_t>(i0), static_cast<int32_t>(i1), cost});
+        WorkItem item{static_cast<int32_t>(r), static_cast<int32_t>(h),
+                      static_cast<int32_t>(i0), static_cast<int32_t>(i1)};
+        item.key_begin = static_cast<int32_t>(key_begin[r]);
+        item.cost = cost;
+        items.push_back(item);
       }
     }
   }
-  // Longest first, then handed out dynamically: balanced without knowing the thread count.
-  std::stable_sort(items.begin(), items.end(),
-                   [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+  sort_by_cost(items);
   return items;
 }
 
+// Runs the items on torch's thread pool, one task per thread, each pulling items until
+// none are left (at::parallel_for hands out static ranges, which would leave a thread idle
+// behind a long prefill).
 template <typename T>
-void run(const Problem<T>& pb, int64_t num_reqs, const Kernels& kernels) {
-  const std::vector<WorkItem> items = plan_items(pb, num_reqs);
+void run_items(const Problem<T>& pb, const std::vector<WorkItem>& items, const Kernels& kernels) {
   if (items.empty()) return;
   const auto attention_item = kernels.of<T>().attention_item;
   const int64_t max_queries = rows_per_tile(pb.group) * pb.group;
   const int64_t num_workers =
       std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
   std::atomic<int64_t> next{0};
-  // One task per thread; each pulls items until none are left (at::parallel_for hands out
-  // static ranges, which would leave a thread idle behind a long prefill).
   at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
-    Scratch scratch(max_queries, pb.head_dim);
+    thread_local Scratch scratch;  // kept between calls: no allocation per layer
+    scratch.reserve(max_queries, pb.head_dim);
     for (int64_t w = begin; w < end; ++w) {
       for (int64_t idx = next.fetch_add(1); idx < static_cast<int64_t>(items.size());
            idx = next.fetch_add(1)) {
@@ -89,6 +174,20 @@ void run(const Problem<T>& pb, int64_t num_reqs, const Kernels& kernels) {
       }
     }
   });
+}
+
+template <typename T>
+void run(Problem<T> pb, int64_t num_reqs, int64_t num_tokens, const Kernels& kernels) {
+  const std::vector<SharedPrefix> runs = find_shared_prefixes(pb, num_reqs);
+  if (!runs.empty()) {
+    // The shared prefixes' states, per (token, head): acc[head_dim], max, sum.
+    thread_local std::vector<float> states;
+    const int64_t num_heads = pb.num_kv_heads * pb.group;
+    states.resize(std::max<size_t>(states.size(), num_tokens * num_heads * (pb.head_dim + 2)));
+    pb.state = states.data();
+    run_items(pb, plan_shared_items(pb, runs), kernels);
+  }
+  run_items(pb, plan_items(pb, num_reqs, runs), kernels);
 }
 
 void check_metadata(const at::Tensor& qo_indptr, const at::Tensor& kv_indptr,
@@ -156,16 +255,44 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
                         out.data_ptr<T>(), q.stride(0), out.stride(0),
                         qo_indptr.data_ptr<int32_t>(), kv_indptr.data_ptr<int32_t>(),
                         kv_indices.data_ptr<int32_t>(), kv_last_page_len.data_ptr<int32_t>(),
-                        Hkv, D, k_cache.size(1), H / Hkv, static_cast<float>(scale)};
-    run(pb, kv_last_page_len.size(0), kernels_for(isa));
+                        Hkv, D, k_cache.size(1), H / Hkv, static_cast<float>(scale),
+                        nullptr};
+    run(pb, kv_last_page_len.size(0), q.size(0), kernels_for(isa));
   };
   dispatch_dtype(q.scalar_type(), "paged_attention", launch);
+}
+
+// The shared prefixes paged_attention finds in a batch, as rows (req_begin, req_end, keys).
+at::Tensor shared_prefixes(const at::Tensor& qo_indptr, const at::Tensor& kv_indptr,
+                           const at::Tensor& kv_indices, const at::Tensor& kv_last_page_len,
+                           int64_t block_size) {
+  TORCH_CHECK(block_size > 0, "shared_prefixes: block_size must be positive");
+  const int64_t num_tokens = qo_indptr.size(0) > 0 ? qo_indptr[-1].item<int64_t>() : 0;
+  check_metadata(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_tokens,
+                 std::numeric_limits<int32_t>::max(), block_size);
+  Problem<float> pb{};
+  pb.qo_indptr = qo_indptr.data_ptr<int32_t>();
+  pb.kv_indptr = kv_indptr.data_ptr<int32_t>();
+  pb.kv_indices = kv_indices.data_ptr<int32_t>();
+  pb.kv_last_page_len = kv_last_page_len.data_ptr<int32_t>();
+  pb.block_size = block_size;
+  const auto runs = find_shared_prefixes(pb, kv_last_page_len.size(0));
+  at::Tensor out = at::empty({static_cast<int64_t>(runs.size()), 3}, at::kLong);
+  for (size_t i = 0; i < runs.size(); ++i) {
+    out[i][0] = runs[i].req_begin;
+    out[i][1] = runs[i].req_end;
+    out[i][2] = runs[i].keys;
+  }
+  return out;
 }
 
 }  // namespace
 }  // namespace pagedserve
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+  m.def(
+      "shared_prefixes(Tensor qo_indptr, Tensor kv_indptr, Tensor kv_indices, "
+      "Tensor kv_last_page_len, int block_size) -> Tensor");
   // isa: run this instruction set's kernels instead of the CPU's best (for tests).
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
@@ -175,4 +302,5 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("paged_attention", &pagedserve::paged_attention);
+  m.impl("shared_prefixes", &pagedserve::shared_prefixes);
 }

@@ -127,16 +127,14 @@ void attention_item(const Problem<T>& pb, const WorkItem& it, Scratch& s) {
     const T* src = pb.q + (sp.q_begin + i) * pb.q_stride + head * D;
     for (int64_t d = 0; d < D; ++d) s.q[m * D + d] = to_float(src[d]) * pb.scale;
   }
-  std::fill_n(s.acc.begin(), M * D, 0.0f);
-  std::fill_n(s.row_max.begin(), M, kNegInf);
-  std::fill_n(s.row_sum.begin(), M, 0.0f);
-  PageCursor cursor = cursor_for(pb, sp, h);
-  const int64_t num_keys = sp.computed + it.row_end;
+  start_states(pb, it, sp, M, s);
+  const ItemKeys keys = keys_of(sp, it);
+  PageCursor cursor = cursor_for(pb, sp, h, keys.begin);
   float* kf = s.k.data();  // kf[j * D + d]: the chunk's keys in float32
   float* vf = s.v.data();
   int64_t rows[kChunk];
-  for (int64_t c = 0; c < num_keys; c += kChunk) {
-    const int n = static_cast<int>(std::min<int64_t>(kChunk, num_keys - c));
+  for (int64_t c = keys.begin; c < keys.end; c += kChunk) {
+    const int n = static_cast<int>(std::min<int64_t>(kChunk, keys.end - c));
     cursor.next_rows(n, rows);
     for (int j = 0; j < n; ++j) {
       for (int64_t d = 0; d < D; ++d) {
@@ -146,7 +144,7 @@ void attention_item(const Problem<T>& pb, const WorkItem& it, Scratch& s) {
     }
     chunk_scores(s.q.data(), M, kf, s.kt.data(), n, D, s.p.data());
     for (int64_t m = 0; m < M; ++m) {
-      const int cnt = visible_keys(sp.computed, it.row_begin + m / G, c, n);
+      const int cnt = visible_keys(keys, sp.computed, it.row_begin + m / G, c, n);
       if (cnt == 0) continue;  // the whole chunk is in this row's future
       float* p = &s.p[m * kChunk];
       float mx = s.row_max[m];
@@ -158,6 +156,7 @@ void attention_item(const Problem<T>& pb, const WorkItem& it, Scratch& s) {
       accumulate_values(&s.acc[m * D], alpha, p, vf, cnt, D);
     }
   }
+  if (keys.shared) return save_states(pb, it, sp, M, s);
   for (int64_t m = 0; m < M; ++m) {
     const int64_t i = it.row_begin + m / G, head = h * G + m % G;
     T* dst = pb.out + (sp.q_begin + i) * pb.out_stride + head * D;

@@ -22,6 +22,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <optional>
@@ -47,24 +48,46 @@ struct Problem {
   const int32_t* kv_last_page_len;
   int64_t num_kv_heads, head_dim, block_size, group;
   float scale;
+  // Online-softmax states that shared-prefix items save and the items after them resume
+  // (attention_ops.cpp): per (token, head), acc[head_dim] then the running max and sum.
+  float* state;
 };
 
-// Query rows row_begin..row_end of one request, for the `group` query heads of one KV head.
+// Query rows row_begin..row_end (from the request's first row) for the `group` query heads
+// of one KV head, over keys key_begin..: the keys before key_begin were seen by a
+// shared-prefix item, whose saved states the item resumes.
+//
+// A shared-prefix item (shared_keys > 0) is instead keys 0..shared_keys of request req's
+// pages, which the requests whose rows it holds all share and all see in full (its rows
+// may run on into the following requests' rows); it saves its states rather than writing
+// outputs.
 struct WorkItem {
   int32_t req, kv_head, row_begin, row_end;
-  int64_t cost;
+  int32_t key_begin = 0, shared_keys = 0;
+  int64_t cost = 0;
 };
 
-// Scratch owned by one thread for all the items it runs.
+// Scratch owned by one thread for all the items it runs, kept between calls.
 struct Scratch {
   std::vector<float> q, acc, p, k, kt, v, row_max, row_sum, alpha;
   std::vector<uint16_t> p16;
   std::vector<const void*> q_rows;
-  Scratch(int64_t max_queries, int64_t head_dim)
-      : q(max_queries * head_dim), acc(max_queries * head_dim), p(max_queries * kChunk),
-        k(kChunk * head_dim), kt(kChunk * head_dim), v(kChunk * head_dim), row_max(max_queries),
-        row_sum(max_queries), alpha(max_queries), p16(max_queries * kChunk),
-        q_rows(max_queries) {}
+  // Grows the buffers to hold max_queries query vectors of head_dim; never shrinks them.
+  void reserve(int64_t max_queries, int64_t head_dim) {
+    if (max_queries <= max_queries_ && head_dim <= head_dim_) return;
+    max_queries_ = std::max(max_queries, max_queries_);
+    head_dim_ = std::max(head_dim, head_dim_);
+    const int64_t m = max_queries_, d = head_dim_;
+    for (auto* v : {&q, &acc}) v->resize(m * d);
+    for (auto* v : {&k, &kt, &this->v}) v->resize(kChunk * d);
+    for (auto* v : {&row_max, &row_sum, &alpha}) v->resize(m);
+    p.resize(m * kChunk);
+    p16.resize(m * kChunk);
+    q_rows.resize(m);
+  }
+
+ private:
+  int64_t max_queries_ = 0, head_dim_ = 0;
 };
 
 // Rows of out = rms_norm(x [+ residual]) * weight; with a residual, x + residual is also

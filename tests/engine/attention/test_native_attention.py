@@ -48,8 +48,15 @@ def make_case(
     block_size: int,
     dtype: torch.dtype,
     seed: int = 0,
+    shared_prefix: int = 0,
+    share_pages: bool = True,
 ) -> PagedCase:
-    """Random unit-variance K/V history already in the cache on scattered blocks."""
+    """Random unit-variance K/V history already in the cache on scattered blocks.
+
+    The first `shared_prefix` keys of every request are the same; with `share_pages`, their
+    full pages are the first request's blocks, as the prefix cache lays them out, and
+    without, each request has its own copy.
+    """
     gen = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
     pages = [-(-(c + n) // block_size) for c, n in requests]
@@ -60,6 +67,10 @@ def make_case(
     histories = [
         torch.randn(c + n, 2, num_kv_heads, head_dim, generator=gen).to(dtype) for c, n in requests
     ]
+    for table, hist in zip(tables[1:], histories[1:], strict=True):
+        hist[:shared_prefix] = histories[0][:shared_prefix]
+        if share_pages:
+            table[: shared_prefix // block_size] = tables[0][: shared_prefix // block_size]
     flat = kv_cache[LAYER].view(2, -1, num_kv_heads, head_dim)
     for (computed, _), table, hist in zip(requests, tables, histories, strict=True):
         pos = torch.arange(computed)
@@ -144,6 +155,86 @@ def test_avx512_sets_agree_bit_for_bit_outside_bf16(dtype: torch.dtype) -> None:
     outs = [run_native(pc, isa) for isa in sets]
     print(f"compared {sets}")
     assert all(torch.equal(outs[0], out) for out in outs[1:])
+
+
+def shared_prefixes(md: AttentionMetadata, block_size: int) -> list[list[int]]:
+    """The kernel's plan: (first request, end request, keys) of each shared prefix it reads
+    once for all the requests of the run."""
+    runs = torch.ops.pagedserve.shared_prefixes(
+        md.qo_indptr, md.kv_indptr, md.kv_indices, md.kv_last_page_len, block_size
+    )
+    return runs.tolist()
+
+
+# (computed, new) per request, and the keys all of them share: decodes behind one long
+# system prompt, and a mix with a chunk of prefill that starts just after the prefix.
+SHARED_CASES = {
+    "decodes": ([(800 + 7 * i, 1) for i in range(8)], 800),
+    "mixed": ([(300, 1), (290, 12), (310, 1), (288, 40), (301, 1)], 288),
+}
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("case", sorted(SHARED_CASES))
+def test_shared_prefix_pages_are_read_once_with_the_same_result(
+    dtype: torch.dtype, block_size: int, case: str, isa: str
+) -> None:
+    """Requests on the same prefix pages share one pass over them. The answer is the one
+    each request gets from its own copy of the pages: bit for bit in the AVX-512 kernels
+    (same chunks, same order), within rounding in the portable one, and close to dense
+    attention in all."""
+    requests, prefix = SHARED_CASES[case]
+    shared = make_case(requests, 9, 3, 64, block_size, dtype, 7, prefix, share_pages=True)
+    private = make_case(requests, 9, 3, 64, block_size, dtype, 7, prefix, share_pages=False)
+    if block_size % 16 == 0:  # whole chunks of 16 keys; other block sizes never share
+        expected_keys = prefix // block_size * block_size
+        assert shared_prefixes(shared.metadata, block_size) == [[0, len(requests), expected_keys]]
+    else:
+        assert shared_prefixes(shared.metadata, block_size) == []
+    assert shared_prefixes(private.metadata, block_size) == []
+    out, reference = run_native(shared, isa), run_native(private, isa)
+    max_diff = max_diff_to_dense(shared, out)
+    print(f"{isa} {case} {dtype} bs={block_size}: {max_diff:.2e} from dense")
+    assert max_diff < TOLERANCE[dtype]
+    if isa.startswith("avx512"):
+        assert torch.equal(out, reference)
+    else:
+        assert (out.double() - reference.double()).abs().max().item() < TOLERANCE[dtype]
+
+
+def test_shared_prefix_runs() -> None:
+    """Which consecutive requests the kernel groups, and over how many keys."""
+    block_size = 16
+
+    def plan(requests: list[tuple[int, int, list[int]]]) -> list[list[int]]:
+        """requests: (computed, new, pages)."""
+        md = build_attention_metadata(
+            [c for c, _, _ in requests], [n for _, n, _ in requests],
+            [pages for _, _, pages in requests], block_size,
+        )  # fmt: skip
+        return shared_prefixes(md, block_size)
+
+    a, b = list(range(0, 40)), list(range(100, 140))  # two prompts of 40 pages
+    decode = (600, 1)  # 37.5 pages seen: 37 whole pages before the query
+    assert plan([(*decode, a), (*decode, a)]) == [[0, 2, 37 * 16]]
+    # Two prompts, two runs; a lone request shares nothing.
+    assert plan([(*decode, a), (*decode, a), (*decode, b), (*decode, b), (*decode, a)]) == [
+        [0, 2, 37 * 16],
+        [2, 4, 37 * 16],
+    ]
+    # A run shares what all its requests have in common, and what every row of each sees:
+    # the prefill chunk's queries start at key 130, so only 8 whole pages are in the past.
+    diverged = a[:20] + list(range(200, 220))
+    assert plan([(*decode, a), (*decode, diverged), (130, 50, a[:12])]) == [[0, 3, 8 * 16]]
+    # Fewer than 128 shared keys are not worth a pass of their own.
+    assert plan([(*decode, a), (*decode, a[:7] + b[7:])]) == []
+    # A request with no rows this step ends the run.
+    assert plan([(*decode, a), (*decode, a), (600, 0, a), (*decode, a), (*decode, a)]) == [
+        [0, 2, 37 * 16],
+        [3, 5, 37 * 16],
+    ]
 
 
 def test_native_matches_torch_backend_and_writes_the_same_cache() -> None:
