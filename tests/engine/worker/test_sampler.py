@@ -252,6 +252,36 @@ def test_finish_reasons(tiny_llm: tuple[LLM, Path]) -> None:
         )
 
 
+def test_masked_tokens_are_never_drawn_and_rare_ones_are() -> None:
+    """One uniform draw per row against the running sum: a token outside top_k has an
+    empty interval wherever it sits (first, last, between the kept ones), and a token of
+    probability 1/100 in a 49k vocabulary is drawn about as often as it should be."""
+    torch.manual_seed(1)
+    vocab = 4096
+    logits = torch.full((vocab,), -30.0)
+    logits[[1, 7, vocab - 2]] = torch.tensor([3.0, 3.0, 2.5])
+    logits[[0, 5, vocab - 1]] = 2.4  # just below the third kept one: dropped by top_k=3
+    rows = [row(SamplingParams(top_k=3))] * 4000
+    drawn = Sampler(vocab)(logits.expand(len(rows), vocab), rows).token_ids
+    assert set(drawn) == {1, 7, vocab - 2}
+
+    vocab, batches, batch = 49152, 5, 1000
+    rare = torch.zeros(vocab)
+    rare[4] = math.log(vocab)  # about half the mass; the rest spread almost evenly
+    rare[3] = math.log(2 * vocab / 100)  # about 1/100
+    probs = torch.softmax(rare, dim=0)
+    rows = [row(SamplingParams())] * batch
+    drawn = [
+        t for _ in range(batches) for t in Sampler(vocab)(rare.expand(batch, vocab), rows).token_ids
+    ]
+    counts = torch.bincount(torch.tensor(drawn), minlength=vocab).double() / len(drawn)
+    for token in (3, 4):
+        expected = probs[token].item()
+        sigma = math.sqrt(expected * (1 - expected) / len(drawn))
+        print(f"token {token}: drawn {counts[token].item():.5f}, p {expected:.5f}")
+        assert abs(counts[token].item() - expected) < 5 * sigma
+
+
 @pytest.mark.parametrize(
     "params",
     [
