@@ -112,19 +112,17 @@ class Sampler:
             min_p = torch.tensor([r.params.min_p for r in rows], dtype=probs.dtype, device=device)
             threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < threshold, 0.0)
-        # Inverse-CDF sampling: one uniform draw per row, against the running sum of p in
-        # float64, where every token keeps an interval as wide as its probability. (An
-        # exponential race over the vocabulary needs a random number per token: 7.6 ms a
-        # step for 8 rows of 49k on a CPU, this 0.7 ms.)
-        cdf = probs.to(torch.float64).cumsum(dim=-1)
-        u = torch.rand(len(rows), 1, dtype=torch.float64, device=device)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, and a tiny change
+        # of p (another batch's rounding) rarely changes the winner. E = -log(U): torch's
+        # exponential_() costs 4x as much on a CPU (8.8 against 2.1 ms for 8 rows of 49k).
+        # U = 0 gives E = inf, which only takes that token out of one draw.
+        noise = torch.rand(probs.shape, dtype=probs.dtype, device=device).log_().neg_()
         for i, row in enumerate(rows):
             if row.params.seed is not None:
                 gen = torch.Generator().manual_seed(step_seed(row.params.seed, row))
-                u[i] = torch.rand(1, dtype=torch.float64, generator=gen).to(device)
-        # The first token whose running sum passes u * total: never one of probability 0.
-        tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
-        return tokens.squeeze(1).clamp_(max=probs.shape[1] - 1)
+                seeded = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=gen)
+                noise[i] = seeded.to(device)
+        return (probs / noise).argmax(dim=-1)
 
 
 def _needs_processing(row: SamplingRow) -> bool:

@@ -253,9 +253,9 @@ def test_finish_reasons(tiny_llm: tuple[LLM, Path]) -> None:
 
 
 def test_masked_tokens_are_never_drawn_and_rare_ones_are() -> None:
-    """One uniform draw per row against the running sum: a token outside top_k has an
-    empty interval wherever it sits (first, last, between the kept ones), and a token of
-    probability 1/100 in a 49k vocabulary is drawn about as often as it should be."""
+    """A token outside top_k is never drawn, wherever it sits (first, last, between the
+    kept ones), and a token of probability 1/100 in a 49k vocabulary is drawn about as
+    often as it should be."""
     torch.manual_seed(1)
     vocab = 4096
     logits = torch.full((vocab,), -30.0)
