@@ -55,12 +55,12 @@ struct SharedPrefix {
   int64_t req_begin, req_end, keys;
 };
 
-// Runs of consecutive requests that share leading pages (a common system prompt, or the
-// prompt of an n > 1 request, cached once by the prefix cache). Their shared keys are read
-// once for all of them, by items over all their rows, and each request then resumes from
-// there. Online softmax walks the keys in the same chunks either way, so the AVX-512
-// kernels give the same result bit for bit (the portable one may sum a score in another
-// order); block sizes that are not a multiple of the chunk never share.
+// Runs of consecutive requests that share leading pages (a common system prompt, cached
+// once by the prefix cache). Their shared keys are read once for all of them, by items
+// over all their rows, and each request then resumes from there. Online softmax walks the
+// keys in the same chunks either way, so the AVX-512 kernels give the same result bit for
+// bit (the portable one may sum a score in another order); block sizes that are not a
+// multiple of the chunk never share.
 template <typename T>
 std::vector<SharedPrefix> find_shared_prefixes(const Problem<T>& pb, int64_t num_reqs) {
   std::vector<SharedPrefix> runs;
