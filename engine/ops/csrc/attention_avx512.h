@@ -20,7 +20,7 @@ constexpr bool kHaveBf16Dot = false;
 #endif
 
 // Keys whose K/V rows are requested ahead of the compute, into L2: decodes over a 64 x 250
-// batch ran 25-30% faster so than with 32 keys into L1 (benchmarks/attention_cpu.py), and
+// batch ran 25-30% faster than with 32 keys into L1 (benchmarks/attention_cpu.py), and
 // 64-512 keys all did about as well.
 constexpr int64_t kPrefetchKeys = 128;
 
