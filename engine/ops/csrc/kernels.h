@@ -78,9 +78,9 @@ struct Scratch {
     max_queries_ = std::max(max_queries, max_queries_);
     head_dim_ = std::max(head_dim, head_dim_);
     const int64_t m = max_queries_, d = head_dim_;
-    for (auto* v : {&q, &acc}) v->resize(m * d);
-    for (auto* v : {&k, &kt, &this->v}) v->resize(kChunk * d);
-    for (auto* v : {&row_max, &row_sum, &alpha}) v->resize(m);
+    for (auto* buf : {&q, &acc}) buf->resize(m * d);
+    for (auto* buf : {&k, &kt, &v}) buf->resize(kChunk * d);
+    for (auto* buf : {&row_max, &row_sum, &alpha}) buf->resize(m);
     p.resize(m * kChunk);
     p16.resize(m * kChunk);
     q_rows.resize(m);
