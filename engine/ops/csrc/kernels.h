@@ -163,12 +163,17 @@ struct QuantWeight {
 };
 
 // Up to 8 rows of a quantized linear's input: float32 copies, their group sums, and the
-// bfloat16 originals when the input is bfloat16 (null otherwise).
+// bfloat16 originals when the input is bfloat16 (null otherwise). For 8-bit weights and
+// bfloat16 input, also the rows as int16 with a power-of-two scale per block of 32 (null
+// otherwise): x = xq * xq_scale, exact for every bfloat16 value within 2^7 of its block's
+// largest (quant_ops.cpp explains the rest).
 struct QuantRows {
   const float* x;             // (count, K)
   const c10::BFloat16* xb;    // (count, K) or null
   const float* xsum;          // (count, K / group)
   int64_t count;
+  const int16_t* xq = nullptr;       // (count, K) or null
+  const float* xq_scale = nullptr;   // (count, K / 32) or null
 };
 
 // Where those rows' outputs go: row r at float32 or bfloat16 `data` + r * N.

@@ -30,9 +30,10 @@
 // take the plain float32 path (the nibbles widened to float32), which has no offset.
 //
 // Compiled once per instruction set (kernels.h): the bfloat16 dot-product path exists in
-// the AVX512_BF16 set, the float32 vector path in both AVX-512 sets, and every set has the
-// portable loops (the reference for the others' arithmetic). quant_ops.cpp checks the
-// tensors, prepares the rows and splits the tiles over torch's threads.
+// the AVX512_BF16 set, the float32 vector path in both AVX-512 sets, an integer and a float32
+// path in the AVX2 set (quant_avx2.h), and every set has the portable loops (the reference
+// for the others' arithmetic). quant_ops.cpp checks the tensors, prepares the rows and
+// splits the tiles over torch's threads.
 
 #include <algorithm>
 #include <cstdint>
@@ -46,6 +47,9 @@
 #if defined(__AVX512BF16__)
 #define PAGEDSERVE_QUANT_BF16 1
 #endif
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define PAGEDSERVE_QUANT_AVX2 1
 #endif
 
 namespace pagedserve::PAGEDSERVE_ISA {
@@ -88,6 +92,32 @@ void tile_portable(const QuantWeight& w, int64_t t, const QuantRows& a, QuantOut
     store_tile(w, t, lanes, out, r);
   }
 }
+
+// Runs KERNEL<R> for the rows' count R (1..8).
+#define PAGEDSERVE_ROW_SWITCH(KERNEL)                       \
+  switch (a.count) {                                        \
+    case 8: return KERNEL<8>(w, t, a, out);                 \
+    case 7: return KERNEL<7>(w, t, a, out);                 \
+    case 6: return KERNEL<6>(w, t, a, out);                 \
+    case 5: return KERNEL<5>(w, t, a, out);                 \
+    case 4: return KERNEL<4>(w, t, a, out);                 \
+    case 3: return KERNEL<3>(w, t, a, out);                 \
+    case 2: return KERNEL<2>(w, t, a, out);                 \
+    default: return KERNEL<1>(w, t, a, out);                \
+  }
+
+#ifdef PAGEDSERVE_QUANT_AVX2
+#include "quant_avx2.h"
+
+void tile_rows_avx2(const QuantWeight& w, int64_t t, const QuantRows& a, QuantOut out) {
+  if (a.xq != nullptr) {
+    if (w.bits == 8) PAGEDSERVE_ROW_SWITCH(tile_int8_avx2)
+    PAGEDSERVE_ROW_SWITCH(tile_int4_avx2)
+  }
+  if (w.bits == 8) PAGEDSERVE_ROW_SWITCH(tile_f32_8_avx2)
+  PAGEDSERVE_ROW_SWITCH(tile_f32_4_avx2)
+}
+#endif  // PAGEDSERVE_QUANT_AVX2
 
 #ifdef PAGEDSERVE_QUANT_AVX512
 
@@ -235,17 +265,6 @@ void tile_bf16(const QuantWeight& w, int64_t t, const QuantRows& a,
 
 #endif  // PAGEDSERVE_QUANT_BF16
 
-#define PAGEDSERVE_ROW_SWITCH(KERNEL)                       \
-  switch (a.count) {                                        \
-    case 8: return KERNEL<8>(w, t, a, out);                 \
-    case 7: return KERNEL<7>(w, t, a, out);                 \
-    case 6: return KERNEL<6>(w, t, a, out);                 \
-    case 5: return KERNEL<5>(w, t, a, out);                 \
-    case 4: return KERNEL<4>(w, t, a, out);                 \
-    case 3: return KERNEL<3>(w, t, a, out);                 \
-    case 2: return KERNEL<2>(w, t, a, out);                 \
-    default: return KERNEL<1>(w, t, a, out);                \
-  }
 
 void tile_rows_f32(const QuantWeight& w, int64_t t, const QuantRows& a, QuantOut out) {
   PAGEDSERVE_ROW_SWITCH(tile_f32)
@@ -264,6 +283,8 @@ TileKernel kernel_for(const QuantWeight& w, const QuantRows& rows) {
 #endif
 #ifdef PAGEDSERVE_QUANT_AVX512
   return tile_rows_f32;
+#elif defined(PAGEDSERVE_QUANT_AVX2)
+  return tile_rows_avx2;
 #else
   (void)w;
   (void)rows;

@@ -8,7 +8,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -22,6 +24,41 @@ namespace {
 constexpr int64_t kRowTile = 8;
 // Weights per parallel task: enough that a fork-join pays for itself.
 constexpr int64_t kMinWeightsPerTask = 1 << 16;
+
+// Rows of bfloat16 x as int16 with a power-of-two scale per block of 32, for the 8-bit
+// integer path (kernels.h's QuantRows): the scale 2^(e - 15), for the block's largest
+// |x| = f 2^e with f in [0.5, 1), keeps every integer under 2^15 and every value whose
+// exponent is within 7 of the largest's exact (bfloat16 has 8 significant bits); a smaller
+// one rounds off at most 2^-16 of the block's largest. A block with an infinity or NaN gets
+// a NaN scale, so its rows' outputs are NaN as in float arithmetic.
+void quantize_rows_int16(const float* x, int64_t M, int64_t K, std::vector<int16_t>& xq,
+                         std::vector<float>& scale) {
+  constexpr int64_t kBlock = QuantWeight::kBlock;
+  xq.assign(M * K, 0);
+  scale.assign(M * (K / kBlock), 0.f);
+  for (int64_t blk = 0; blk < M * (K / kBlock); ++blk) {
+    const float* v = x + blk * kBlock;
+    float amax = 0.f;
+    bool finite = true;  // std::max would pass a NaN over
+    for (int64_t i = 0; i < kBlock; ++i) {
+      amax = std::max(amax, std::abs(v[i]));
+      finite = finite && std::isfinite(v[i]);
+    }
+    if (!finite) {
+      scale[blk] = std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
+    if (amax == 0.f) continue;
+    int e = 0;
+    std::frexp(amax, &e);
+    scale[blk] = static_cast<float>(std::ldexp(1.0, e - 15));
+    const double inverse = std::ldexp(1.0, 15 - e);  // a double: no overflow for tiny blocks
+    for (int64_t i = 0; i < kBlock; ++i) {
+      const double q = std::nearbyint(static_cast<double>(v[i]) * inverse);
+      xq[blk * kBlock + i] = static_cast<int16_t>(std::clamp(q, -32767.0, 32767.0));
+    }
+  }
+}
 
 QuantWeight check_weight(const at::Tensor& qweight, const at::Tensor& scales,
                          const std::optional<at::Tensor>& mins, int64_t bits, int64_t group,
@@ -75,14 +112,21 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   for (int64_t r = 0; r < M; ++r) {
     for (int64_t k = 0; k < K; ++k) xsum[r * groups + k / group] += x32[r * K + k];
   }
+  std::vector<int16_t> xq;
+  std::vector<float> xq_scale;
+  if (bf16) quantize_rows_int16(x32.data(), M, K, xq, xq_scale);
   at::Tensor out = at::empty({M, N}, x.options());
   const auto tiles = kernels_for(isa).quant_tiles;
   const int64_t grain = std::max<int64_t>(1, kMinWeightsPerTask / (QuantWeight::kTile * K));
   at::parallel_for(0, w.tiles(), grain, [&](int64_t begin, int64_t end) {
     for (int64_t r0 = 0; r0 < M; r0 += kRowTile) {
-      const QuantRows rows{x32.data() + r0 * K,
-                           bf16 ? xc.data_ptr<c10::BFloat16>() + r0 * K : nullptr,
-                           xsum.data() + r0 * groups, std::min(kRowTile, M - r0)};
+      QuantRows rows{x32.data() + r0 * K,
+                     bf16 ? xc.data_ptr<c10::BFloat16>() + r0 * K : nullptr,
+                     xsum.data() + r0 * groups, std::min(kRowTile, M - r0)};
+      if (!xq.empty()) {
+        rows.xq = xq.data() + r0 * K;
+        rows.xq_scale = xq_scale.data() + r0 * (K / QuantWeight::kBlock);
+      }
       char* base = static_cast<char*>(out.data_ptr()) + r0 * N * out.element_size();
       tiles(w, rows, QuantOut{base, bf16}, begin, end);
     }

@@ -85,6 +85,42 @@ def test_kernel_matches_the_dequantized_reference(
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("isa", ISAS)
+def test_bf16_rows_of_any_scale_keep_their_own_precision(fmt: str, isa: str) -> None:
+    """bfloat16 input goes through int16 with a scale per block of 32 on some paths (AVX2's
+    integer path): rows 2^40 apart, and blocks within a row alternating 2^20 apart, must each
+    come out as accurate as a row of ordinary numbers, relative to their own magnitude."""
+    weight = make_weight(fmt)
+    dense = dequantize_reference(weight).double()
+    g = torch.Generator().manual_seed(5)
+    block_scale = 2.0 ** (20 * (torch.arange(K) // 32 % 2))  # 1, 2^20, 1, 2^20, ...
+    row_scale = torch.tensor([[2.0**-20], [1.0], [2.0**20]])
+    x = (torch.randn(3, K, generator=g) * block_scale * row_scale).bfloat16()
+    y = kernel(isa, x, pack_tiles(weight)).double()
+    reference = x.double() @ dense.T
+    for r in range(3):
+        error = float((y[r] - reference[r]).abs().max() / reference[r].abs().max())
+        assert error < TOLERANCE[torch.bfloat16], (r, error)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "Q4_1"])
+@pytest.mark.parametrize("isa", ISAS)
+def test_bf16_rows_keep_zeros_infinities_and_nan_to_themselves(fmt: str, isa: str) -> None:
+    """A row of zeros gives zeros, a row holding an infinity or NaN gives non-finite outputs,
+    and neither touches the other rows."""
+    weight = make_weight(fmt)
+    x = torch.randn(4, K, generator=torch.Generator().manual_seed(6)).bfloat16()
+    x[0] = 0
+    x[1, 40] = float("inf")
+    x[2, 300] = float("nan")
+    y = kernel(isa, x, pack_tiles(weight))
+    assert torch.equal(y[0], torch.zeros(N, dtype=torch.bfloat16))
+    assert not y[1].isfinite().all() and not y[2].isfinite().all()
+    reference = x[3:].double() @ dequantize_reference(weight).double().T
+    assert relative_error(y[3:], reference) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_layer_picks_kernel_or_dense_path_with_the_same_result(fmt: str) -> None:
     weight = pack_tiles(make_weight(fmt))
     bias = torch.randn(N)

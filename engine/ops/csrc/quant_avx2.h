@@ -1,0 +1,163 @@
+// The quantized linear's AVX2 tiles (quant_kernels.cpp has the layout and the arithmetic's
+// contract). Included by quant_kernels.cpp inside its namespace, in the AVX2 set only: the
+// AVX-512 sets have their own paths.
+//
+// A 256-bit vector holds 8 of a tile's 16 rows, so every tile is two halves, rows 0..7 and
+// 8..15. Both block layouts unpack to the same shape, int16 pairs per row:
+//
+//   lane r of `lo` (32 bits) = (w[r, k], w[r, k + 1]),  lane r of `hi` = rows 8 + r
+//
+//   8-bit: k's 16 bytes, then k + 1's: interleaving the two gives rows 0..7 then 8..15;
+//   4-bit: the pair's 16 bytes already alternate k and k + 1 per row, rows 0..7 in the low
+//          nibbles and 8..15 in the high ones.
+//
+// bfloat16 input runs the integer path: x as int16 with a power-of-two scale per block
+// (QuantRows::xq), one vpmaddwd per 8 rows and pair of k, and the block's int32 sums (exact:
+// |q x| < 2^22, 32 of them) scaled in float32 once per block. float32 input runs the float
+// path: the pairs split into float32 k and k + 1 vectors, multiplied by the broadcast x[k]
+// and x[k + 1] with float32 FMAs, so its products and sums are float32's, as the portable
+// loop's are.
+
+// The pair'th k pair of an 8-bit or 4-bit block, as int16 pairs per row (see above).
+template <int Bits>
+inline void unpack_pairs(const uint8_t* blk, int64_t pair, __m256i* lo, __m256i* hi) {
+  constexpr int64_t kTile = QuantWeight::kTile;
+  if constexpr (Bits == 8) {
+    const __m128i k0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 * pair * kTile));
+    const __m128i k1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (2 * pair + 1) * kTile));
+    *lo = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(k0, k1));
+    *hi = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(k0, k1));
+  } else {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + pair * kTile));
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    *lo = _mm256_cvtepu8_epi16(_mm_and_si128(raw, nibble));
+    *hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), nibble));
+  }
+}
+
+inline void prefetch_block(const QuantWeight& w, const uint8_t* blk) {
+  // As far ahead as the AVX-512 paths ask, for the same reason (a decode step streams the
+  // weights from memory once).
+  const char* ahead = reinterpret_cast<const char*>(blk) + 4096;
+  for (int64_t line = 0; line < w.block_bytes(); line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+}
+
+// The group's float16 scales (or mins) of a tile's two halves.
+inline void load_halves(const c10::Half* p, __m256* h) {
+  h[0] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  h[1] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+}
+
+// Adds the group's d * part (+ m * xsum for 4 bits) to acc, for R rows and both halves.
+template <int Bits, int64_t R>
+inline void close_group(const QuantWeight& w, int64_t t, int64_t g, const QuantRows& a,
+                        __m256 (&part)[R][2], __m256 (&acc)[R][2]) {
+  const int64_t at = (t * w.groups() + g) * QuantWeight::kTile;
+  __m256 d[2], m[2];
+  load_halves(w.d + at, d);
+  if constexpr (Bits == 4) load_halves(w.m + at, m);
+  for (int64_t r = 0; r < R; ++r) {
+    for (int h = 0; h < 2; ++h) {
+      acc[r][h] = _mm256_fmadd_ps(part[r][h], d[h], acc[r][h]);
+      if constexpr (Bits == 4) {
+        acc[r][h] = _mm256_fmadd_ps(m[h], _mm256_set1_ps(a.xsum[r * w.groups() + g]), acc[r][h]);
+      }
+    }
+  }
+}
+
+template <int64_t R>
+inline void store_halves(const QuantWeight& w, int64_t t, __m256 (&acc)[R][2], QuantOut out) {
+  alignas(32) float lanes[QuantWeight::kTile];
+  for (int64_t r = 0; r < R; ++r) {
+    _mm256_store_ps(lanes, acc[r][0]);
+    _mm256_store_ps(lanes + 8, acc[r][1]);
+    store_tile(w, t, lanes, out, r);
+  }
+}
+
+template <int Bits, int64_t R>
+void tile_int_avx2(const QuantWeight& w, int64_t t, const QuantRows& a, QuantOut out) {
+  const int64_t groups = w.groups(), blocks = w.blocks(), per_group = w.group / QuantWeight::kBlock;
+  __m256 acc[R][2], part[R][2];
+  __m256i sum[R][2];
+  for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t r = 0; r < R; ++r) part[r][0] = part[r][1] = _mm256_setzero_ps();
+    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+      const uint8_t* blk = w.block(t, b);
+      prefetch_block(w, blk);
+      const int16_t* xq = a.xq + b * QuantWeight::kBlock;
+      for (int64_t r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+      for (int64_t pair = 0; pair < QuantWeight::kBlock / 2; ++pair) {
+        __m256i lo, hi;
+        unpack_pairs<Bits>(blk, pair, &lo, &hi);
+#pragma GCC unroll 8
+        for (int64_t r = 0; r < R; ++r) {
+          int32_t x_pair;
+          std::memcpy(&x_pair, xq + r * w.K + 2 * pair, sizeof(x_pair));
+          const __m256i xv = _mm256_set1_epi32(x_pair);
+          sum[r][0] = _mm256_add_epi32(sum[r][0], _mm256_madd_epi16(lo, xv));
+          sum[r][1] = _mm256_add_epi32(sum[r][1], _mm256_madd_epi16(hi, xv));
+        }
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        const __m256 scale = _mm256_set1_ps(a.xq_scale[r * blocks + b]);
+        for (int h = 0; h < 2; ++h) {
+          part[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][h]), scale, part[r][h]);
+        }
+      }
+    }
+    close_group<Bits, R>(w, t, g, a, part, acc);
+  }
+  store_halves<R>(w, t, acc, out);
+}
+
+template <int Bits, int64_t R>
+void tile_f32_avx2(const QuantWeight& w, int64_t t, const QuantRows& a, QuantOut out) {
+  const int64_t groups = w.groups(), per_group = w.group / QuantWeight::kBlock;
+  __m256 acc[R][2], part[R][2];
+  for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t r = 0; r < R; ++r) part[r][0] = part[r][1] = _mm256_setzero_ps();
+    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+      const uint8_t* blk = w.block(t, b);
+      prefetch_block(w, blk);
+      const float* x = a.x + b * QuantWeight::kBlock;
+      for (int64_t pair = 0; pair < QuantWeight::kBlock / 2; ++pair) {
+        __m256i halves[2];
+        unpack_pairs<Bits>(blk, pair, &halves[0], &halves[1]);
+        for (int h = 0; h < 2; ++h) {
+          // Each lane's low int16 is k's weight, its high one k + 1's.
+          const __m256 even = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(halves[h], 16), 16));
+          const __m256 odd = _mm256_cvtepi32_ps(_mm256_srai_epi32(halves[h], 16));
+          for (int64_t r = 0; r < R; ++r) {
+            const float* xr = x + r * w.K + 2 * pair;
+            part[r][h] = _mm256_fmadd_ps(even, _mm256_set1_ps(xr[0]), part[r][h]);
+            part[r][h] = _mm256_fmadd_ps(odd, _mm256_set1_ps(xr[1]), part[r][h]);
+          }
+        }
+      }
+    }
+    close_group<Bits, R>(w, t, g, a, part, acc);
+  }
+  store_halves<R>(w, t, acc, out);
+}
+
+template <int64_t R>
+void tile_int8_avx2(const QuantWeight& w, int64_t t, const QuantRows& a, QuantOut out) {
+  tile_int_avx2<8, R>(w, t, a, out);
+}
+template <int64_t R>
+void tile_int4_avx2(const QuantWeight& w, int64_t t, const QuantRows& a, QuantOut out) {
+  tile_int_avx2<4, R>(w, t, a, out);
+}
+template <int64_t R>
+void tile_f32_8_avx2(const QuantWeight& w, int64_t t, const QuantRows& a, QuantOut out) {
+  tile_f32_avx2<8, R>(w, t, a, out);
+}
+template <int64_t R>
+void tile_f32_4_avx2(const QuantWeight& w, int64_t t, const QuantRows& a, QuantOut out) {
+  tile_f32_avx2<4, R>(w, t, a, out);
+}
