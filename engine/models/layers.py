@@ -40,21 +40,28 @@ def onednn_packable(weight: torch.Tensor) -> bool:
     )
 
 
-def bf16_tileable(weight: torch.Tensor) -> bool:
-    """pagedserve's bfloat16 dot-product kernel (engine/ops/csrc/bf16_linear_kernels.cpp): a
-    CPU bf16 weight of even width, where the native kernels run with AVX512_BF16.
+# The instruction sets with a bfloat16 tile kernel of ours: the dot product (AVX512_BF16),
+# and float32 FMAs on the weights widened in registers (AVX2, where oneDNN's bfloat16 GEMM
+# has no native instructions either and ran a decode step at a fifth of the memory's speed).
+TILED_BF16_ISAS = ("avx512_bf16", "avx2")
 
-    Its results equal oneDNN's up to the order of float32 additions. At the few rows of a
-    decode step it reads the weights at the memory's speed, about 1.6x oneDNN's, and it
-    keeps up with oneDNN at prefill sizes (benchmarks/bf16_linear.py), so where it runs it
-    replaces oneDNN's packed copy rather than sitting beside it.
+
+def bf16_tileable(weight: torch.Tensor) -> bool:
+    """pagedserve's bfloat16 tile kernel (engine/ops/csrc/bf16_linear_kernels.cpp): a CPU
+    bf16 weight of even width, where the native kernels run with AVX512_BF16 or AVX2.
+
+    Its results equal oneDNN's up to the order of float32 additions. With AVX512_BF16, at the
+    few rows of a decode step it reads the weights about 1.6x as fast as oneDNN, and it keeps
+    up with oneDNN at prefill sizes; with AVX2, where oneDNN packs no bfloat16, it runs 1.5x
+    torch's bf16 matmul at one row and about 5x from 4 rows up (benchmarks/bf16_linear.py).
+    So where it runs it replaces oneDNN's packed copy rather than sitting beside it.
     """
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
         and weight.dim() == 2
         and weight.shape[1] % 2 == 0
-        and native_kernels().isa == "avx512_bf16"
+        and native_kernels().isa in TILED_BF16_ISAS
     )
 
 

@@ -17,8 +17,9 @@
 // (benchmarks/bf16_linear.py), and within 6% of it at 512 rows.
 //
 // Compiled once per instruction set (kernels.h): the dot-product path exists in the
-// AVX512_BF16 set; every set has the portable loop, the reference for its arithmetic in the
-// tests. The model tiles its weights only where the dot product runs
+// AVX512_BF16 set, a float32 FMA path on the same layout in the AVX2 set
+// (bf16_linear_avx2.h); every set has the portable loop, the reference for their arithmetic
+// in the tests. The model tiles its weights only where one of the two runs
 // (layers.bf16_tileable); other CPUs keep oneDNN.
 
 #include <algorithm>
@@ -30,6 +31,10 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define PAGEDSERVE_BF16_DOT 1
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#include <immintrin.h>
+#include <vector>
+#define PAGEDSERVE_BF16_AVX2 1
 #endif
 
 namespace pagedserve::PAGEDSERVE_ISA {
@@ -151,6 +156,8 @@ void tile_rows(const Bf16Weight& w, int64_t t, int64_t count, const c10::BFloat1
   tiles_rows<1>(w, t, x, rows, y);
 }
 
+#elif defined(PAGEDSERVE_BF16_AVX2)
+#include "bf16_linear_avx2.h"
 #else
 
 void tile_rows(const Bf16Weight& w, int64_t t, int64_t count, const c10::BFloat16* x,
@@ -162,6 +169,12 @@ void tile_rows(const Bf16Weight& w, int64_t t, int64_t count, const c10::BFloat1
 
 }  // namespace
 
+#ifdef PAGEDSERVE_BF16_AVX2
+void bf16_tiles(const Bf16Weight& w, const c10::BFloat16* x, int64_t M, c10::BFloat16* y,
+                int64_t begin, int64_t end) {
+  avx2_tiles(w, x, M, y, begin, end);
+}
+#else
 void bf16_tiles(const Bf16Weight& w, const c10::BFloat16* x, int64_t M, c10::BFloat16* y,
                 int64_t begin, int64_t end) {
   // Tile-major: a pair of tiles' weights (K * 64 bytes) stay in the cache for every pass of
@@ -174,5 +187,6 @@ void bf16_tiles(const Bf16Weight& w, const c10::BFloat16* x, int64_t M, c10::BFl
     }
   }
 }
+#endif
 
 }  // namespace pagedserve::PAGEDSERVE_ISA

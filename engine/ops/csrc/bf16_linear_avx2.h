@@ -1,0 +1,92 @@
+// The bfloat16 linear's tiles for AVX2 CPUs, which have no bfloat16 dot product. Included
+// by bf16_linear_kernels.cpp inside its namespace, in the AVX2 set only.
+//
+// Same layout, (tiles, K/2, 16, 2): a pair's 64 bytes are two 256-bit vectors, rows 0..7
+// then 8..15, each 32-bit lane holding one row's (w[k], w[k+1]). A bfloat16 is the top half
+// of a float32, so
+//
+//   w[k]     = lane << 16           (vpslld)
+//   w[k + 1] = lane & 0xFFFF0000    (vpand)
+//
+// are the float32 weights, exactly, and two FMAs with the broadcast x[k] and x[k + 1] add
+// the pair's products: float32 products of bfloat16 numbers are exact, so the result equals
+// the dot-product kernel's and oneDNN's up to the order of float32 additions. x is widened
+// to float32 once per call, so a broadcast is a load.
+
+// Rows of x per pass: 4 rows x 2 halves of accumulators, the 4 weight vectors and the two
+// broadcasts fill AVX2's 16 registers.
+constexpr int64_t kFmaRows = 4;
+// As the dot-product kernel: 8 KB ahead into L2.
+constexpr int64_t kFmaPrefetchAhead = 8192;
+
+template <int64_t R>
+void tile_fma(const Bf16Weight& w, int64_t t, const float* x, c10::BFloat16* y) {
+  // One row alternates two partial sums, so consecutive FMAs do not wait on each other.
+  constexpr int64_t P = R == 1 ? 2 : 1;
+  const int64_t pairs = w.K / 2;
+  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  __m256 acc[P][R][2];
+  for (int64_t p = 0; p < P; ++p) {
+    for (int64_t r = 0; r < R; ++r) acc[p][r][0] = acc[p][r][1] = _mm256_setzero_ps();
+  }
+  const c10::BFloat16* tile = w.tile(t);
+  auto step = [&](int64_t pair, int64_t p) {
+    const c10::BFloat16* line = tile + pair * 2 * Bf16Weight::kTile;
+    _mm_prefetch(reinterpret_cast<const char*>(line) + kFmaPrefetchAhead, _MM_HINT_T1);
+    __m256 even[2], odd[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line) + h);
+      even[h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      odd[h] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+    }
+#pragma GCC unroll 4
+    for (int64_t r = 0; r < R; ++r) {
+      const __m256 x0 = _mm256_broadcast_ss(x + r * w.K + 2 * pair);
+      const __m256 x1 = _mm256_broadcast_ss(x + r * w.K + 2 * pair + 1);
+      for (int h = 0; h < 2; ++h) {
+        acc[p][r][h] = _mm256_fmadd_ps(even[h], x0, acc[p][r][h]);
+        acc[p][r][h] = _mm256_fmadd_ps(odd[h], x1, acc[p][r][h]);
+      }
+    }
+  };
+  int64_t pair = 0;
+  for (; pair + P <= pairs; pair += P) {
+    for (int64_t p = 0; p < P; ++p) step(pair + p, p);
+  }
+  for (; pair < pairs; ++pair) step(pair, 0);
+  const int64_t n0 = t * Bf16Weight::kTile, count = std::min(Bf16Weight::kTile, w.N - n0);
+  alignas(32) float lanes[Bf16Weight::kTile];
+  for (int64_t r = 0; r < R; ++r) {
+    for (int h = 0; h < 2; ++h) {
+      __m256 sum = acc[0][r][h];
+      for (int64_t p = 1; p < P; ++p) sum = _mm256_add_ps(sum, acc[p][r][h]);
+      _mm256_store_ps(lanes + 8 * h, sum);
+    }
+    for (int64_t i = 0; i < count; ++i) y[r * w.N + n0 + i].x = round_bf16(lanes[i]);
+  }
+}
+
+void tile_rows_fma(const Bf16Weight& w, int64_t t, const float* x, int64_t rows,
+                   c10::BFloat16* y) {
+  switch (rows) {
+    case 4: return tile_fma<4>(w, t, x, y);
+    case 3: return tile_fma<3>(w, t, x, y);
+    case 2: return tile_fma<2>(w, t, x, y);
+    default: return tile_fma<1>(w, t, x, y);
+  }
+}
+
+// Tile-major, as the dot-product kernel: a tile's weights (K * 32 bytes) stay in the cache
+// for every pass of rows.
+void avx2_tiles(const Bf16Weight& w, const c10::BFloat16* x, int64_t M, c10::BFloat16* y,
+                int64_t begin, int64_t end) {
+  // Per thread, kept between calls: this runs for every linear layer of every step.
+  thread_local std::vector<float> xf;
+  xf.resize(M * w.K);
+  for (int64_t i = 0; i < M * w.K; ++i) xf[i] = static_cast<float>(x[i]);
+  for (int64_t t = begin; t < end; ++t) {
+    for (int64_t r0 = 0; r0 < M; r0 += kFmaRows) {
+      tile_rows_fma(w, t, xf.data() + r0 * w.K, std::min(kFmaRows, M - r0), y + r0 * w.N);
+    }
+  }
+}
