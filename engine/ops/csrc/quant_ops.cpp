@@ -51,11 +51,13 @@ void quantize_rows_int16(const float* x, int64_t M, int64_t K, std::vector<int16
     if (amax == 0.f) continue;
     int e = 0;
     std::frexp(amax, &e);
-    scale[blk] = static_cast<float>(std::ldexp(1.0, e - 15));
-    const double inverse = std::ldexp(1.0, 15 - e);  // a double: no overflow for tiny blocks
+    scale[blk] = std::ldexp(1.f, e - 15);
+    // Two power-of-two factors, so that neither overflows float32 for the tiniest blocks;
+    // each product is exact, and lrint rounds to nearest even.
+    const float high = std::ldexp(1.f, std::min(15 - e, 100)), low = std::ldexp(1.f, std::max(15 - e - 100, 0));
     for (int64_t i = 0; i < kBlock; ++i) {
-      const double q = std::nearbyint(static_cast<double>(v[i]) * inverse);
-      xq[blk * kBlock + i] = static_cast<int16_t>(std::clamp(q, -32767.0, 32767.0));
+      const long q = std::lrint(v[i] * high * low);
+      xq[blk * kBlock + i] = static_cast<int16_t>(std::clamp(q, -32767L, 32767L));
     }
   }
 }
@@ -106,11 +108,21 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   // x in float32 and its group sums, made here rather than with torch ops: a decode step
   // runs this for every linear layer, and each extra op costs dispatch time.
   std::vector<float> x32(M * K), xsum(M * groups, 0.f);
-  for (int64_t i = 0; i < M * K; ++i) {
-    x32[i] = bf16 ? static_cast<float>(xc.data_ptr<c10::BFloat16>()[i]) : xc.data_ptr<float>()[i];
+  // Pointers taken once: data_ptr<T>() checks the dtype on every call, which cost more than
+  // the conversion itself.
+  if (bf16) {
+    const c10::BFloat16* xb = xc.data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < M * K; ++i) x32[i] = static_cast<float>(xb[i]);
+  } else {
+    std::copy_n(xc.data_ptr<float>(), M * K, x32.data());
   }
   for (int64_t r = 0; r < M; ++r) {
-    for (int64_t k = 0; k < K; ++k) xsum[r * groups + k / group] += x32[r * K + k];
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* v = x32.data() + r * K + g * group;
+      float sum = 0.f;
+      for (int64_t k = 0; k < group; ++k) sum += v[k];
+      xsum[r * groups + g] = sum;
+    }
   }
   std::vector<int16_t> xq;
   std::vector<float> xq_scale;
