@@ -163,7 +163,7 @@ struct QuantWeight {
 };
 
 // Up to 8 rows of a quantized linear's input: float32 copies, their group sums, and the
-// bfloat16 originals when the input is bfloat16 (null otherwise). For 8-bit weights and
+// bfloat16 originals when the input is bfloat16 (null otherwise). For the AVX2 set and
 // bfloat16 input, also the rows as int16 with a power-of-two scale per block of 32 (null
 // otherwise): x = xq * xq_scale, exact for every bfloat16 value within 2^7 of its block's
 // largest (quant_ops.cpp explains the rest).

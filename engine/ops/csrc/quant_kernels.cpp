@@ -265,7 +265,6 @@ void tile_bf16(const QuantWeight& w, int64_t t, const QuantRows& a,
 
 #endif  // PAGEDSERVE_QUANT_BF16
 
-
 void tile_rows_f32(const QuantWeight& w, int64_t t, const QuantRows& a, QuantOut out) {
   PAGEDSERVE_ROW_SWITCH(tile_f32)
 }

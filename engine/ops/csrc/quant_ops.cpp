@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <string>
@@ -25,8 +26,8 @@ constexpr int64_t kRowTile = 8;
 // Weights per parallel task: enough that a fork-join pays for itself.
 constexpr int64_t kMinWeightsPerTask = 1 << 16;
 
-// Rows of bfloat16 x as int16 with a power-of-two scale per block of 32, for the 8-bit
-// integer path (kernels.h's QuantRows): the scale 2^(e - 15), for the block's largest
+// Rows of bfloat16 x as int16 with a power-of-two scale per block of 32, for the AVX2
+// integer path (kernels.h's QuantRows, quant_avx2.h): the scale 2^(e - 15), for the block's largest
 // |x| = f 2^e with f in [0.5, 1), keeps every integer under 2^15 and every value whose
 // exponent is within 7 of the largest's exact (bfloat16 has 8 significant bits); a smaller
 // one rounds off at most 2^-16 of the block's largest. A block with an infinity or NaN gets
@@ -54,7 +55,8 @@ void quantize_rows_int16(const float* x, int64_t M, int64_t K, std::vector<int16
     scale[blk] = std::ldexp(1.f, e - 15);
     // Two power-of-two factors, so that neither overflows float32 for the tiniest blocks;
     // each product is exact, and lrint rounds to nearest even.
-    const float high = std::ldexp(1.f, std::min(15 - e, 100)), low = std::ldexp(1.f, std::max(15 - e - 100, 0));
+    const float high = std::ldexp(1.f, std::min(15 - e, 100));
+    const float low = std::ldexp(1.f, std::max(15 - e - 100, 0));
     for (int64_t i = 0; i < kBlock; ++i) {
       const long q = std::lrint(v[i] * high * low);
       xq[blk * kBlock + i] = static_cast<int16_t>(std::clamp(q, -32767L, 32767L));
@@ -124,11 +126,15 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
       xsum[r * groups + g] = sum;
     }
   }
+  const Kernels& kernels = kernels_for(isa);
   std::vector<int16_t> xq;
   std::vector<float> xq_scale;
-  if (bf16) quantize_rows_int16(x32.data(), M, K, xq, xq_scale);
+  // Only the AVX2 set reads the int16 rows (the AVX-512 sets have other paths).
+  if (bf16 && std::strcmp(kernels.isa, "avx2") == 0) {
+    quantize_rows_int16(x32.data(), M, K, xq, xq_scale);
+  }
   at::Tensor out = at::empty({M, N}, x.options());
-  const auto tiles = kernels_for(isa).quant_tiles;
+  const auto tiles = kernels.quant_tiles;
   const int64_t grain = std::max<int64_t>(1, kMinWeightsPerTask / (QuantWeight::kTile * K));
   at::parallel_for(0, w.tiles(), grain, [&](int64_t begin, int64_t end) {
     for (int64_t r0 = 0; r0 < M; r0 += kRowTile) {
