@@ -32,10 +32,11 @@ inline void unpack_pairs(const uint8_t* blk, int64_t pair, __m256i* lo, __m256i*
     *lo = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(k0, k1));
     *hi = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(k0, k1));
   } else {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + pair * kTile));
-    const __m128i nibble = _mm_set1_epi8(0x0F);
-    *lo = _mm256_cvtepu8_epi16(_mm_and_si128(raw, nibble));
-    *hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), nibble));
+    // Each byte widened to a word is low | high << 4: a mask and a shift split the rows.
+    const __m256i words = _mm256_cvtepu8_epi16(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + pair * kTile)));
+    *lo = _mm256_and_si256(words, _mm256_set1_epi16(0x0F));
+    *hi = _mm256_srli_epi16(words, 4);
   }
 }
 
