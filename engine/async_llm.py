@@ -55,15 +55,30 @@ class _ResetPrefixCache:
     done: asyncio.Future[bool]
 
 
+def engine_thread() -> ThreadPoolExecutor:
+    """The one thread that runs the engine's torch work: loading, warm-up and steps.
+
+    With torch's OpenMP backend every thread that starts a parallel region gets a thread
+    pool of its own. Once a process holds more pool threads than it has CPUs, libgomp
+    stops spinning at barriers and parks its threads after each region, so every op pays
+    a wake-up: on 2 cores a decode step on 2 threads took twice as long when the model
+    had been loaded on another thread than the one stepping it. So loading and stepping
+    share this thread, and the process keeps a single pool.
+    """
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+
+
 class AsyncLLM:
-    def __init__(self, core: EngineCore, tokenizer: Any) -> None:
+    def __init__(
+        self, core: EngineCore, tokenizer: Any, executor: ThreadPoolExecutor | None = None
+    ) -> None:
         self.core = core
         self.config: EngineConfig = core.config
         self.tokenizer = tokenizer
         self._processor = OutputProcessor(tokenizer, core.config.model.arch.eos_token_ids)
         self._inbox: asyncio.Queue[_Add | _Abort | _ResetPrefixCache] = asyncio.Queue()
         self._collectors: dict[str, OutputCollector] = {}
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        self._executor = executor or engine_thread()
         self._task: asyncio.Task[None] | None = None
         self._step: Future[StepResult] | None = None
         self._listener: StatsListener | None = None
@@ -87,9 +102,15 @@ class AsyncLLM:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, hooks: EngineHooks | None = None) -> AsyncLLM:
-        """Loads the model (blocking: run it in a thread from async code)."""
-        core = EngineCore.from_args(args, hooks)
-        return cls(core, core.tokenizer)
+        """Loads the model (blocking: run it in a thread from async code) on the thread
+        that will run the steps (engine_thread)."""
+        executor = engine_thread()
+        try:
+            core = executor.submit(EngineCore.from_args, args, hooks).result()
+        except BaseException:
+            executor.shutdown(wait=False)
+            raise
+        return cls(core, core.tokenizer, executor)
 
     # ---- lifecycle -----------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Torch's intra-op thread count per step on the CPU."""
+"""Torch's intra-op thread count for the engine's steps on the CPU."""
 
 from __future__ import annotations
 
@@ -7,34 +7,30 @@ from contextlib import contextmanager
 
 import torch
 
-# A step below both limits is mostly per-op overhead: splitting each small op across cores
-# adds a barrier per op and loses more than it gains. Attention over long contexts is
-# real work, hence the second limit.
-SMALL_STEP_TOKENS = 16
-SMALL_STEP_KV_TOKENS = 2048
-
 
 class StepThreads:
-    """One thread for small steps (a few short decodes), `max_threads` for the rest.
+    """Runs every step on `max_threads` threads.
 
     The count is set for the duration of a step, on the thread that runs it, and the
     previous count is restored afterwards: with torch's OpenMP backend the setting belongs
     to the calling thread, so the engine's steps never change how other threads of the
     process (the caller's, the event loop's) run torch ops.
+
+    Small steps used to run on one thread, from a served measurement (single-stream ITL
+    23 ms on 2 threads, 19 on 1) taken while the model was loaded on another thread than
+    the one stepping it. That left the process two OpenMP pools, more pool threads than
+    cores, and libgomp then parks its threads after every parallel region (see
+    engine.async_llm.engine_thread). With one pool, two threads made a single-stream decode
+    step faster for every weight format measured (README, "Threads").
     """
 
     def __init__(self, max_threads: int) -> None:
         self.max_threads = max(1, max_threads)
 
-    def for_step(self, num_tokens: int, num_kv_tokens: int) -> int:
-        """Threads for a step of `num_tokens` new tokens attending over `num_kv_tokens`."""
-        small = num_tokens < SMALL_STEP_TOKENS and num_kv_tokens < SMALL_STEP_KV_TOKENS
-        return 1 if small else self.max_threads
-
     @contextmanager
-    def step(self, num_tokens: int, num_kv_tokens: int) -> Iterator[int]:
-        """Runs the block with this step's thread count; yields it."""
-        wanted = self.for_step(num_tokens, num_kv_tokens)
+    def step(self) -> Iterator[int]:
+        """Runs the block on the step's thread count; yields it."""
+        wanted = self.max_threads
         previous = torch.get_num_threads()
         if wanted != previous:
             torch.set_num_threads(wanted)

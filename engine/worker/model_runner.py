@@ -91,16 +91,13 @@ class ModelRunner:
             batch = self.input_batch.update(scheduler_output)
         if not batch.requests:
             return ModelRunnerOutput({})
-        with self._threads(batch):
+        with self._threads():
             hidden, host = self._forward(batch)  # (T, hidden)
             with self.profiler.section("sampling"):
                 return self._sample(hidden, host, batch)
 
-    def _threads(self, batch: StepBatch) -> Any:
-        if self.threads is None:
-            return nullcontext()
-        num_tokens = len(batch.input_ids)
-        return self.threads.step(num_tokens, sum(batch.num_computed) + num_tokens)
+    def _threads(self) -> Any:
+        return nullcontext() if self.threads is None else self.threads.step()
 
     def _forward(self, batch: StepBatch) -> tuple[torch.Tensor, StepMetadata]:
         """Mutates the KV cache: runs the decoder on the step, through a graph if one fits."""

@@ -8,25 +8,18 @@ import torch
 from engine.worker.cpu_threads import StepThreads
 
 
-def test_small_steps_run_on_one_thread_and_large_on_all() -> None:
-    policy = StepThreads(max_threads=4)
-    assert [policy.for_step(n, 200) for n in (1, 15, 16, 512)] == [1, 1, 4, 4]
-    # A few decodes over long contexts are attention-heavy: every core.
-    assert policy.for_step(8, 8 * 1056) == 4
-
-
 def test_a_step_sets_its_threads_and_restores_the_callers() -> None:
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(3)
         policy = StepThreads(max_threads=2)
-        with policy.step(1, 100) as threads:
-            assert threads == 1 and torch.get_num_threads() == 1
-        assert torch.get_num_threads() == 3
-        with policy.step(64, 6400) as threads:
+        with policy.step() as threads:
             assert threads == 2 and torch.get_num_threads() == 2
         assert torch.get_num_threads() == 3
-        with pytest.raises(RuntimeError), policy.step(1, 1):
+        with StepThreads(max_threads=1).step() as threads:
+            assert threads == 1 and torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 3
+        with pytest.raises(RuntimeError), policy.step():
             raise RuntimeError("a failing step")
         assert torch.get_num_threads() == 3
     finally:
@@ -47,3 +40,42 @@ def test_engine_steps_leave_the_callers_thread_count_alone(tmp_path) -> None:
         assert torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_async_engine_loads_and_steps_on_one_thread(tmp_path, monkeypatch) -> None:
+    """Loading on another thread than the steps' leaves the process two OpenMP pools, and
+    libgomp then parks its threads after every parallel region (engine_thread)."""
+    import asyncio
+    import threading
+
+    from engine import AsyncLLM, EngineArgs, SamplingParams
+    from engine.core import EngineCore
+    from tests.tiny_models import make_tiny_model
+
+    threads: dict[str, set[int]] = {"load": set(), "step": set()}
+    load, step = EngineCore.from_args.__func__, EngineCore.step
+
+    def recording_load(cls, *args, **kwargs):
+        threads["load"].add(threading.get_ident())
+        return load(cls, *args, **kwargs)
+
+    def recording_step(self):
+        threads["step"].add(threading.get_ident())
+        return step(self)
+
+    monkeypatch.setattr(EngineCore, "from_args", classmethod(recording_load))
+    monkeypatch.setattr(EngineCore, "step", recording_step)
+    args = EngineArgs(model=str(make_tiny_model("llama", tmp_path)), dtype="float32",
+                      num_kv_blocks=32, max_model_len=128)  # fmt: skip
+    engine = AsyncLLM.from_engine_args(args)
+
+    async def run() -> None:
+        engine.start()
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        async for _ in engine.generate([5, 6, 7], params, "r"):
+            pass
+        await engine.stop()
+
+    asyncio.run(run())
+    assert len(threads["step"]) == 1 and threads["load"] == threads["step"]
+    assert threading.get_ident() not in threads["step"]
