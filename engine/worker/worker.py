@@ -81,16 +81,16 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if bf16 else torch.float32
 
 
-def available_cpus() -> int:
-    """CPUs this process may use: affinity, capped by a cgroup v2 CPU quota."""
+def available_cpus(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
+    """CPUs this process may use: affinity, capped by a cgroup v2 CPU quota (`cpu_max`)."""
     count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     count = count or 1
     try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
-        if quota != "max":
-            count = min(count, max(1, int(int(quota) // int(period))))
+        quota, period = cpu_max.read_text().split()
     except (OSError, ValueError):
-        pass
+        return count  # no cgroup v2 CPU limit (or none readable): the affinity is the limit
+    if quota != "max":
+        count = min(count, max(1, int(quota) // int(period)))
     return count
 
 

@@ -79,3 +79,20 @@ def test_the_async_engine_loads_and_steps_on_one_thread(tmp_path, monkeypatch) -
     asyncio.run(run())
     assert len(threads["step"]) == 1 and threads["load"] == threads["step"]
     assert threading.get_ident() not in threads["step"]
+
+
+@pytest.mark.parametrize(
+    ("cpu_max", "cap"),
+    [("max 100000\n", None), ("400000 100000\n", 4), ("150000 100000\n", 1),
+     ("20000 100000\n", 1), (None, None), ("garbage\n", None)],
+)  # fmt: skip
+def test_available_cpus_follows_the_cgroup_quota(tmp_path, cpu_max, cap) -> None:
+    import os
+
+    from engine.worker.worker import available_cpus
+
+    path = tmp_path / "cpu.max"
+    if cpu_max is not None:
+        path.write_text(cpu_max)
+    affinity = len(os.sched_getaffinity(0))
+    assert available_cpus(path) == (affinity if cap is None else min(affinity, cap))
