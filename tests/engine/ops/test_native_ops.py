@@ -138,3 +138,23 @@ def test_other_dtypes_fall_back_to_torch() -> None:
     q_ref, k_ref = rope_reference(q, cos, sin), rope_reference(k, cos, sin)
     native_ops.apply_rope_(q, k, cos, sin)
     assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_silu_and_mul_at_the_edges_of_exp(dtype: torch.dtype, isa: str) -> None:
+    """Gates where exp(-gate) nears float32's limits (its overflow past 88.7 gives torch's
+    -0), zeros, infinities and NaN, in every lane of the vector loops and their tails."""
+    edges = [-1e4, -200, -100, -89.5, -88.5, -87.5, -87, -86, -20, -1e-30, 0, 1e-30, 20,
+             86, 87.5, 88.5, 89.5, 200, float("inf"), float("-inf"), float("nan")]  # fmt: skip
+    gate = torch.tensor(edges * 3).to(dtype)  # 63 values: every lane, and a tail
+    if dtype == torch.float16:  # beyond its range: the edges it can hold, and inf
+        gate = gate.float().clamp(-6e4, 6e4).to(dtype)
+    up = (1.5 + torch.arange(len(gate)) / 64).to(dtype)
+    out = silu_and_mul(torch.cat([gate, up]).unsqueeze(0), isa)[0]
+    ref = F.silu(gate) * up
+    assert torch.equal(out.isnan(), ref.isnan())
+    assert torch.equal(out[ref.isinf()], ref[ref.isinf()])
+    finite = ref.isfinite()
+    assert torch.equal(out[finite].signbit(), ref[finite].signbit())
+    check("silu_and_mul edges", out[finite], ref[finite], ulps=4)
