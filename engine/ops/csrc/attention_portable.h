@@ -61,7 +61,23 @@ inline void chunk_scores(const float* q, int64_t M, const float* kf, float* kt, 
                          int64_t D, float* p) {
   if (M < 8) {  // decodes: one dot product per key, over kWidth partial sums
     for (int64_t m = 0; m < M; ++m) {
-      for (int j = 0; j < n; ++j) {
+      int j = 0;
+      // Four keys at a time, so that their chains of multiply-adds overlap; each key's
+      // sum is formed in the same order as below.
+      for (; j + 4 <= n; j += 4) {
+        Vec partial[4] = {};
+        int64_t d = 0;
+        for (; d + kWidth <= D; d += kWidth) {
+          const Vec qv = load(q + m * D + d);
+          for (int u = 0; u < 4; ++u) partial[u] += qv * load(kf + (j + u) * D + d);
+        }
+        for (int u = 0; u < 4; ++u) {
+          float sum = reduce_add(partial[u]);
+          for (int64_t e = d; e < D; ++e) sum += q[m * D + e] * kf[(j + u) * D + e];
+          p[m * kChunk + j + u] = sum;
+        }
+      }
+      for (; j < n; ++j) {
         Vec partial = {};
         int64_t d = 0;
         for (; d + kWidth <= D; d += kWidth) partial += load(q + m * D + d) * load(kf + j * D + d);
@@ -101,10 +117,25 @@ inline float exp_chunk(float* p, float mx, int cnt) {
   return reduce_add(sum);
 }
 
-// acc = acc * alpha + sum_j p[j] * v[j], kWidth values of acc at a time.
+// acc = acc * alpha + sum_j p[j] * v[j]. Up to kAccVecs vectors of acc stay in registers
+// while the keys stream by, so each is its own chain of multiply-adds: with one vector at a
+// time, every add waited on the one before it (a decode's values took 3-4x as long). Each
+// lane adds the same terms in the same order either way.
+constexpr int kAccVecs = 8;
+
 inline void accumulate_values(float* acc, float alpha, const float* p, const float* v, int n,
                               int64_t D) {
   int64_t d = 0;
+  for (; d + kAccVecs * kWidth <= D; d += kAccVecs * kWidth) {
+    Vec a[kAccVecs];
+    for (int i = 0; i < kAccVecs; ++i) a[i] = load(acc + d + i * kWidth) * alpha;
+    for (int j = 0; j < n; ++j) {
+      const Vec pj = splat(p[j]);
+      const float* vj = v + j * D + d;
+      for (int i = 0; i < kAccVecs; ++i) a[i] += pj * load(vj + i * kWidth);
+    }
+    for (int i = 0; i < kAccVecs; ++i) store(acc + d + i * kWidth, a[i]);
+  }
   for (; d + kWidth <= D; d += kWidth) {
     Vec a = load(acc + d) * alpha;
     for (int j = 0; j < n; ++j) a += p[j] * load(v + j * D + d);
