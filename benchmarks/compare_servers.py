@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -80,10 +81,20 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
     raise TimeoutError(f"{url} not ready after {timeout}s")
 
 
+def check_port_free(url: str) -> None:
+    """Raises when something already listens on url's port: the run would measure it (a
+    peer left over from an interrupted run) instead of the server it starts."""
+    port = httpx.URL(url).port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        if sock.connect_ex(("127.0.0.1", port)) == 0:
+            raise RuntimeError(f"port {port} is already in use: stop what listens there first")
+
+
 @contextmanager
 def server(
     cmd: list[str], env: dict[str, str], url: str, log: Path, timeout: float
 ) -> Iterator[None]:
+    check_port_free(url)
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             cmd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT
