@@ -87,11 +87,10 @@ def available_cpus(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
     count = count or 1
     try:
         quota, period = cpu_max.read_text().split()
+        limit = count if quota == "max" else max(1, int(quota) // int(period))
     except (OSError, ValueError):
         return count  # no cgroup v2 CPU limit (or none readable): the affinity is the limit
-    if quota != "max":
-        count = min(count, max(1, int(quota) // int(period)))
-    return count
+    return min(count, limit)
 
 
 def resolve_device_config(args: EngineArgs) -> DeviceConfig:

@@ -84,7 +84,7 @@ def test_the_async_engine_loads_and_steps_on_one_thread(tmp_path, monkeypatch) -
 @pytest.mark.parametrize(
     ("cpu_max", "cap"),
     [("max 100000\n", None), ("400000 100000\n", 4), ("150000 100000\n", 1),
-     ("20000 100000\n", 1), (None, None), ("garbage\n", None)],
+     ("20000 100000\n", 1), (None, None), ("garbage\n", None), ("abc 100000\n", None)],
 )  # fmt: skip
 def test_available_cpus_follows_the_cgroup_quota(tmp_path, cpu_max, cap) -> None:
     import os
