@@ -148,8 +148,6 @@ def test_silu_and_mul_at_the_edges_of_exp(dtype: torch.dtype, isa: str) -> None:
     edges = [-1e4, -200, -100, -89.5, -88.5, -87.5, -87, -86, -20, -1e-30, 0, 1e-30, 20,
              86, 87.5, 88.5, 89.5, 200, float("inf"), float("-inf"), float("nan")]  # fmt: skip
     gate = torch.tensor(edges * 3).to(dtype)  # 63 values: every lane, and a tail
-    if dtype == torch.float16:  # beyond its range: the edges it can hold, and inf
-        gate = gate.float().clamp(-6e4, 6e4).to(dtype)
     up = (1.5 + torch.arange(len(gate)) / 64).to(dtype)
     out = silu_and_mul(torch.cat([gate, up]).unsqueeze(0), isa)[0]
     ref = F.silu(gate) * up
