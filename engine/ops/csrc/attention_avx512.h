@@ -19,11 +19,6 @@ constexpr bool kHaveBf16Dot = true;
 constexpr bool kHaveBf16Dot = false;
 #endif
 
-// Keys whose K/V rows are requested ahead of the compute, into L2: decodes over a 64 x 250
-// batch ran 25-30% faster than with 32 keys into L1 (benchmarks/attention_cpu.py), and
-// 64-512 keys all did about as well.
-constexpr int64_t kPrefetchKeys = 128;
-
 inline __m512 load_f32(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load_f32(const c10::BFloat16* p) {
   const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -214,34 +209,6 @@ inline void for_register_blocks(int64_t M, Block&& block) {
   }
 }
 
-// Requests the K/V rows of the keys kPrefetchKeys ahead of the compute: the pages are
-// known in advance but scattered, which the hardware prefetchers cannot guess.
-template <typename T>
-struct Prefetcher {
-  const T* k_cache;
-  const T* v_cache;
-  PageCursor cursor;
-  int64_t num_keys, row_bytes, issued;  // issued: keys requested so far, from the first
-
-  void advance_to(int64_t key) {  // key: the first key whose compute has not started
-    const int64_t stop = std::min(num_keys, key + kPrefetchKeys);
-    int64_t rows[kChunk];
-    while (issued < stop) {
-      const int n = static_cast<int>(std::min<int64_t>(kChunk, stop - issued));
-      cursor.next_rows(n, rows);
-      for (int j = 0; j < n; ++j) {
-        const char* k = reinterpret_cast<const char*>(k_cache + rows[j]);
-        const char* v = reinterpret_cast<const char*>(v_cache + rows[j]);
-        for (int64_t b = 0; b < row_bytes; b += 64) {
-          _mm_prefetch(k + b, _MM_HINT_T1);
-          _mm_prefetch(v + b, _MM_HINT_T1);
-        }
-      }
-      issued += n;
-    }
-  }
-};
-
 // One work item: query vectors m = (row, head in group), 0 <= m < M, against the keys of
 // one KV head, 16 keys per step.
 template <typename T, int DV>
@@ -263,7 +230,7 @@ class AttentionItem {
 
   void run() {
     load_queries();
-    start_states(pb_, it_, sp_, M_, s_);
+    start_states(pb_, it_, sp_, M_, s_, it_.kv_head);
     PageCursor cursor = cursor_for(pb_, sp_, it_.kv_head, keys_.begin);
     Prefetcher<T> prefetcher{pb_.k_cache, pb_.v_cache, cursor, keys_.end,
                              D * static_cast<int64_t>(sizeof(T)), keys_.begin};
@@ -277,7 +244,7 @@ class AttentionItem {
       accumulate_chunk(rows, n);
     }
     if (keys_.shared) {
-      save_states(pb_, it_, sp_, M_, s_);
+      save_states(pb_, it_, sp_, M_, s_, it_.kv_head);
     } else {
       write_outputs();
     }

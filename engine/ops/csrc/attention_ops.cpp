@@ -41,6 +41,11 @@ using PAGEDSERVE_ISA::span_of;
 constexpr int64_t kTileQueries = 48;  // query vectors (rows * group) per work item
 // Keys requests must share, page for page, to be read once for all of them.
 constexpr int64_t kMinSharedKeys = 128;
+// A chunk's keys of an item's KV heads, widened to float32, stay within this (L1-sized).
+constexpr int64_t kMaxChunkBytes = 32 * 1024;
+// Requests per thread from which a decode's KV heads share one item: fewer items are then
+// still enough to keep every thread busy.
+constexpr int64_t kGroupHeadsMinRequests = 4;
 
 // ---------------------------------------------------------------------------------------
 // Planning and threading.
@@ -48,6 +53,16 @@ constexpr int64_t kMinSharedKeys = 128;
 // Query rows per item: enough query vectors to amortise each K/V row load, few enough that
 // one long prefill splits into many items for the threads to share.
 int64_t rows_per_tile(int64_t group) { return std::max<int64_t>(1, kTileQueries / group); }
+
+// KV heads per item for a request of q_len query rows: several for a decode in a batch of
+// many requests, as many as fit the item's query vectors and chunk scratch; else one.
+template <typename T>
+int64_t heads_per_item(const Problem<T>& pb, int64_t num_reqs, int64_t q_len) {
+  if (num_reqs < kGroupHeadsMinRequests * at::get_num_threads()) return 1;
+  const int64_t by_scratch = kMaxChunkBytes / (kChunk * pb.head_dim * int64_t{sizeof(float)});
+  const int64_t by_queries = kTileQueries / (q_len * pb.group);
+  return std::clamp<int64_t>(std::min(by_scratch, by_queries), 1, pb.num_kv_heads);
+}
 
 // Requests req_begin..req_end (consecutive, so their rows are too) whose first `keys` keys
 // sit on the same pages, and which all see those keys in full.
@@ -139,11 +154,13 @@ std::vector<WorkItem> plan_items(const Problem<T>& pb, int64_t num_reqs,
     for (int64_t i0 = 0; i0 < q_len; i0 += rows) {
       const int64_t i1 = std::min(q_len, i0 + rows);
       // Key rows visited times query vectors, plus a fixed cost per item.
-      const int64_t cost = (i1 - i0) * pb.group * (computed + i1 - key_begin[r]) + 256;
-      for (int64_t h = 0; h < pb.num_kv_heads; ++h) {
+      const int64_t heads = heads_per_item(pb, num_reqs, i1 - i0);
+      const int64_t cost = (i1 - i0) * pb.group * heads * (computed + i1 - key_begin[r]) + 256;
+      for (int64_t h = 0; h < pb.num_kv_heads; h += heads) {
         WorkItem item{static_cast<int32_t>(r), static_cast<int32_t>(h),
                       static_cast<int32_t>(i0), static_cast<int32_t>(i1)};
         item.key_begin = static_cast<int32_t>(key_begin[r]);
+        item.kv_heads = static_cast<int32_t>(std::min(heads, pb.num_kv_heads - h));
         item.cost = cost;
         items.push_back(item);
       }
@@ -160,13 +177,15 @@ template <typename T>
 void run_items(const Problem<T>& pb, const std::vector<WorkItem>& items, const Kernels& kernels) {
   if (items.empty()) return;
   const auto attention_item = kernels.of<T>().attention_item;
-  const int64_t max_queries = rows_per_tile(pb.group) * pb.group;
+  const int64_t max_queries = std::max(rows_per_tile(pb.group) * pb.group, kTileQueries);
+  int32_t max_heads = 1;
+  for (const WorkItem& item : items) max_heads = std::max(max_heads, item.kv_heads);
   const int64_t num_workers =
       std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
   std::atomic<int64_t> next{0};
   at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
     thread_local Scratch scratch;  // kept between calls: no allocation per layer
-    scratch.reserve(max_queries, pb.head_dim);
+    scratch.reserve(max_queries, pb.head_dim, max_heads);
     for (int64_t w = begin; w < end; ++w) {
       for (int64_t idx = next.fetch_add(1); idx < static_cast<int64_t>(items.size());
            idx = next.fetch_add(1)) {

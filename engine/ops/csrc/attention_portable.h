@@ -158,15 +158,19 @@ void attention_item(const Problem<T>& pb, const WorkItem& it, Scratch& s) {
     const T* src = pb.q + (sp.q_begin + i) * pb.q_stride + head * D;
     for (int64_t d = 0; d < D; ++d) s.q[m * D + d] = to_float(src[d]) * pb.scale;
   }
-  start_states(pb, it, sp, M, s);
+  start_states(pb, it, sp, M, s, h);
   const ItemKeys keys = keys_of(sp, it);
   PageCursor cursor = cursor_for(pb, sp, h, keys.begin);
+  Prefetcher<T> prefetcher{pb.k_cache, pb.v_cache, cursor, keys.end,
+                           D * static_cast<int64_t>(sizeof(T)), keys.begin};
+  prefetcher.advance_to(keys.begin);
   float* kf = s.k.data();  // kf[j * D + d]: the chunk's keys in float32
   float* vf = s.v.data();
   int64_t rows[kChunk];
   for (int64_t c = keys.begin; c < keys.end; c += kChunk) {
     const int n = static_cast<int>(std::min<int64_t>(kChunk, keys.end - c));
     cursor.next_rows(n, rows);
+    prefetcher.advance_to(c + n);
     for (int j = 0; j < n; ++j) {
       for (int64_t d = 0; d < D; ++d) {
         kf[j * D + d] = to_float(pb.k_cache[rows[j] + d]);
@@ -187,7 +191,7 @@ void attention_item(const Problem<T>& pb, const WorkItem& it, Scratch& s) {
       accumulate_values(&s.acc[m * D], alpha, p, vf, cnt, D);
     }
   }
-  if (keys.shared) return save_states(pb, it, sp, M, s);
+  if (keys.shared) return save_states(pb, it, sp, M, s, h);
   for (int64_t m = 0; m < M; ++m) {
     const int64_t i = it.row_begin + m / G, head = h * G + m % G;
     T* dst = pb.out + (sp.q_begin + i) * pb.out_stride + head * D;

@@ -61,9 +61,15 @@ struct Problem {
 // pages, which the requests whose rows it holds all share and all see in full (its rows
 // may run on into the following requests' rows); it saves its states rather than writing
 // outputs.
+//
+// An item may cover kv_heads consecutive KV heads from kv_head (a decode's, whose few query
+// rows are cheap next to reading the keys): a key's rows of all those heads lie side by
+// side in the cache, so reading them together streams each page once. Kernels without a
+// path for that run the heads one after the other.
 struct WorkItem {
   int32_t req, kv_head, row_begin, row_end;
   int32_t key_begin = 0, shared_keys = 0;
+  int32_t kv_heads = 1;
   int64_t cost = 0;
 };
 
@@ -72,14 +78,17 @@ struct Scratch {
   std::vector<float> q, acc, p, k, kt, v, row_max, row_sum, alpha;
   std::vector<uint16_t> p16;
   std::vector<const void*> q_rows;
-  // Grows the buffers to hold max_queries query vectors of head_dim; never shrinks them.
-  void reserve(int64_t max_queries, int64_t head_dim) {
-    if (max_queries <= max_queries_ && head_dim <= head_dim_) return;
+  // Grows the buffers to hold max_queries query vectors of head_dim, and a chunk's keys
+  // and values for kv_heads heads; never shrinks them.
+  void reserve(int64_t max_queries, int64_t head_dim, int64_t kv_heads) {
+    if (max_queries <= max_queries_ && head_dim <= head_dim_ && kv_heads <= kv_heads_) return;
     max_queries_ = std::max(max_queries, max_queries_);
     head_dim_ = std::max(head_dim, head_dim_);
+    kv_heads_ = std::max(kv_heads, kv_heads_);
     const int64_t m = max_queries_, d = head_dim_;
     for (auto* buf : {&q, &acc}) buf->resize(m * d);
-    for (auto* buf : {&k, &kt, &v}) buf->resize(kChunk * d);
+    for (auto* buf : {&k, &v}) buf->resize(kChunk * d * kv_heads_);
+    kt.resize(kChunk * d);
     for (auto* buf : {&row_max, &row_sum, &alpha}) buf->resize(m);
     p.resize(m * kChunk);
     p16.resize(m * kChunk);
@@ -87,7 +96,7 @@ struct Scratch {
   }
 
  private:
-  int64_t max_queries_ = 0, head_dim_ = 0;
+  int64_t max_queries_ = 0, head_dim_ = 0, kv_heads_ = 0;
 };
 
 // Rows of out = rms_norm(x [+ residual]) * weight; with a residual, x + residual is also

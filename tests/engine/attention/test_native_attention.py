@@ -140,6 +140,43 @@ def test_native_head_sizes_and_dtypes(dtype: torch.dtype, head_dim: int, isa: st
     assert max_diff < TOLERANCE[dtype]
 
 
+# Enough decodes that every thread gets several items: the kernels then take each
+# decode's KV heads in one work item, reading a key's heads side by side (on up to 16
+# threads), with a prefill beside them.
+MANY_DECODES = [(int(c), 1) for c in np.random.default_rng(5).integers(1, 300, size=64)]
+
+
+def run_alone(case: PagedCase, r: int, isa: str) -> torch.Tensor:
+    """Request r's attention output, with the request alone in the batch (the same pages)."""
+    md, (k_cache, v_cache) = case.metadata, case.kv_cache[LAYER]
+    q0, q1 = md.qo_indptr[r].item(), md.qo_indptr[r + 1].item()
+    p0, p1 = md.kv_indptr[r].item(), md.kv_indptr[r + 1].item()
+    q = case.q[q0:q1]
+    out = torch.empty_like(q)
+    torch.ops.pagedserve.paged_attention(
+        out, q, k_cache, v_cache, torch.tensor([0, q1 - q0], dtype=torch.int32),
+        torch.tensor([0, p1 - p0], dtype=torch.int32), md.kv_indices[p0:p1].contiguous(),
+        md.kv_last_page_len[r : r + 1].contiguous(), q.shape[-1] ** -0.5, isa,
+    )  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 8, 32), (8, 4, 128)])
+def test_a_decode_in_a_large_batch_matches_it_alone(
+    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, isa: str
+) -> None:
+    pc = make_case([*MANY_DECODES, (30, 70)], heads, kv_heads, head_dim, 16, dtype, seed=4)
+    out = run_native(pc, isa)
+    max_diff = max_diff_to_dense(pc, out)
+    print(f"{isa} {heads}/{kv_heads}x{head_dim} {dtype}: {max_diff:.2e} from dense")
+    assert max_diff < TOLERANCE[dtype]
+    for r in (0, 17, 63, 64):  # decodes, and the prefill
+        q0, q1 = pc.metadata.qo_indptr[r].item(), pc.metadata.qo_indptr[r + 1].item()
+        assert torch.equal(out[q0:q1], run_alone(pc, r, isa)), f"request {r}"
+
+
 def test_the_backend_runs_the_cpus_best_instruction_set() -> None:
     pc = make_case(NATIVE_CASES["chunked"], 9, 3, 64, 16, torch.bfloat16, seed=2)
     out = run_native(pc)
