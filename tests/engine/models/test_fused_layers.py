@@ -65,3 +65,17 @@ def test_native_layers_equal_python_layers(
     native_hidden, native_cache = forward(model, fused=True, seed=1)
     assert torch.equal(native_hidden, python_hidden)
     assert torch.equal(native_cache, python_cache)  # the same K/V written to the same slots
+
+
+def test_native_layer_refuses_a_slot_outside_the_cache(tmp_path: Path) -> None:
+    model, _ = load_model(make_tiny_model("llama", tmp_path), torch.float32, "cpu", QuantConfig())
+    arch = model.arch
+    cache = allocate_kv_cache(arch.num_layers, 8, 16, arch.num_kv_heads, arch.head_dim,
+                              torch.float32, "cpu")  # fmt: skip
+    backend = NativeCpuAttentionBackend(cache, arch.num_heads, arch.head_dim**-0.5)
+    md = build_attention_metadata(COMPUTED, NEW, TABLES, 16)
+    md.slot_mapping[3] = 8 * 16  # one past the last slot
+    backend.plan(md)
+    ids = torch.randint(3, 256, (md.num_tokens,), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="outside the cache"):
+        model(ids, md.positions, backend)
