@@ -223,6 +223,9 @@ struct Kernels {
   // Quantized linear: tiles begin..end of y for `rows`.
   void (*quant_tiles)(const QuantWeight&, const QuantRows&, QuantOut, int64_t begin,
                       int64_t end);
+  // QuantRows::xq and xq_scale for the M rows of float32 x (M, K), which only the AVX2 set's
+  // tiles read: every set has it, and gives the same integers and scales.
+  void (*quant_rows_int16)(const float* x, int64_t M, int64_t K, int16_t* xq, float* scale);
   // bfloat16 linear: tiles begin..end of y (M, N) = x (M, K) W^T, every row of x.
   void (*bf16_tiles)(const Bf16Weight&, const c10::BFloat16* x, int64_t M, c10::BFloat16* y,
                      int64_t begin, int64_t end);
@@ -274,6 +277,7 @@ inline const Kernels& kernels_for(const std::optional<std::string>& isa) {
   void silu_and_mul_rows(const SiluAndMulRows<T>& a, int64_t begin, int64_t end);        \
   void quant_tiles(const QuantWeight& w, const QuantRows& rows, QuantOut out,            \
                    int64_t begin, int64_t end);                                           \
+  void quant_rows_int16(const float* x, int64_t M, int64_t K, int16_t* xq, float* scale); \
   void bf16_tiles(const Bf16Weight& w, const c10::BFloat16* x, int64_t M, c10::BFloat16* y, \
                   int64_t begin, int64_t end);                                            \
   }

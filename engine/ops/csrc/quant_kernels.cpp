@@ -36,8 +36,10 @@
 // splits the tiles over torch's threads.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include "kernels.h"
 
@@ -297,6 +299,90 @@ void quant_tiles(const QuantWeight& w, const QuantRows& rows, QuantOut out, int6
                  int64_t end) {
   const TileKernel kernel = kernel_for(w, rows);
   for (int64_t t = begin; t < end; ++t) kernel(w, t, rows, out);
+}
+
+// ---------------------------------------------------------------------------------------
+// Rows of bfloat16 x as int16 with a power-of-two scale per block of 32, for the AVX2
+// integer path (kernels.h's QuantRows, quant_avx2.h): the scale 2^(e - 15), for the block's
+// largest |x| = f 2^e with f in [0.5, 1), keeps every integer under 2^15 and every value
+// whose exponent is within 7 of the largest's exact (bfloat16 has 8 significant bits); a
+// smaller one rounds off at most 2^-16 of the block's largest. A block with an infinity or
+// NaN gets a NaN scale and zeros, so its rows' outputs are NaN as in float arithmetic; a
+// zero block gets a zero scale and zeros.
+
+namespace {
+
+// The integers of one block whose largest |x| is amax > 0 (finite); returns the scale.
+// x is multiplied by two power-of-two factors, so that neither overflows float32 for the
+// tiniest blocks: each product is exact, and the conversion rounds to nearest even.
+inline float int16_block(const float* v, float amax, int16_t* q) {
+  int e = 0;
+  std::frexp(amax, &e);
+  const float high = std::ldexp(1.f, std::min(15 - e, 100));
+  const float low = std::ldexp(1.f, std::max(15 - e - 100, 0));
+#ifdef PAGEDSERVE_QUANT_AVX2
+  const __m256i top = _mm256_set1_epi32(32767), bottom = _mm256_set1_epi32(-32767);
+  __m256i words[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m256 scaled = _mm256_mul_ps(
+        _mm256_mul_ps(_mm256_loadu_ps(v + 8 * i), _mm256_set1_ps(high)), _mm256_set1_ps(low));
+    words[i] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(scaled), top), bottom);
+  }
+  for (int i = 0; i < 2; ++i) {  // packs interleaves 128-bit halves: put them back in order
+    const __m256i packed = _mm256_packs_epi32(words[2 * i], words[2 * i + 1]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16 * i),
+                        _mm256_permute4x64_epi64(packed, 0xD8));
+  }
+#else
+  for (int64_t i = 0; i < QuantWeight::kBlock; ++i) {
+    const long r = std::lrint(v[i] * high * low);
+    q[i] = static_cast<int16_t>(std::clamp(r, -32767L, 32767L));
+  }
+#endif
+  return std::ldexp(1.f, e - 15);
+}
+
+// The largest |x| of a block, or NaN when it holds an infinity or NaN.
+inline float block_amax(const float* v) {
+#ifdef PAGEDSERVE_QUANT_AVX2
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 amax = _mm256_setzero_ps(), inf_or_nan = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    const __m256 x = _mm256_loadu_ps(v + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, x));
+    inf_or_nan = _mm256_add_ps(inf_or_nan, _mm256_sub_ps(x, x));  // NaN unless finite
+  }
+  if (_mm256_movemask_ps(_mm256_cmp_ps(inf_or_nan, inf_or_nan, _CMP_UNORD_Q)) != 0) {
+    return std::numeric_limits<float>::quiet_NaN();
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+#else
+  float amax = 0.f;
+  for (int64_t i = 0; i < QuantWeight::kBlock; ++i) {
+    if (!std::isfinite(v[i])) return std::numeric_limits<float>::quiet_NaN();
+    amax = std::max(amax, std::abs(v[i]));
+  }
+  return amax;
+#endif
+}
+
+}  // namespace
+
+void quant_rows_int16(const float* x, int64_t M, int64_t K, int16_t* xq, float* scale) {
+  constexpr int64_t kBlock = QuantWeight::kBlock;
+  for (int64_t blk = 0; blk < M * (K / kBlock); ++blk) {
+    const float* v = x + blk * kBlock;
+    int16_t* q = xq + blk * kBlock;
+    const float amax = block_amax(v);
+    if (!(amax > 0.f)) {  // zeros, or an infinity or NaN
+      std::fill_n(q, kBlock, int16_t{0});
+      scale[blk] = amax;
+      continue;
+    }
+    scale[blk] = int16_block(v, amax, q);
+  }
 }
 
 }  // namespace pagedserve::PAGEDSERVE_ISA

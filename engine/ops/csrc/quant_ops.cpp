@@ -8,10 +8,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -25,44 +23,6 @@ namespace {
 constexpr int64_t kRowTile = 8;
 // Weights per parallel task: enough that a fork-join pays for itself.
 constexpr int64_t kMinWeightsPerTask = 1 << 16;
-
-// Rows of bfloat16 x as int16 with a power-of-two scale per block of 32, for the AVX2
-// integer path (kernels.h's QuantRows, quant_avx2.h): the scale 2^(e - 15), for the block's largest
-// |x| = f 2^e with f in [0.5, 1), keeps every integer under 2^15 and every value whose
-// exponent is within 7 of the largest's exact (bfloat16 has 8 significant bits); a smaller
-// one rounds off at most 2^-16 of the block's largest. A block with an infinity or NaN gets
-// a NaN scale, so its rows' outputs are NaN as in float arithmetic.
-void quantize_rows_int16(const float* x, int64_t M, int64_t K, std::vector<int16_t>& xq,
-                         std::vector<float>& scale) {
-  constexpr int64_t kBlock = QuantWeight::kBlock;
-  xq.assign(M * K, 0);
-  scale.assign(M * (K / kBlock), 0.f);
-  for (int64_t blk = 0; blk < M * (K / kBlock); ++blk) {
-    const float* v = x + blk * kBlock;
-    float amax = 0.f;
-    bool finite = true;  // std::max would pass a NaN over
-    for (int64_t i = 0; i < kBlock; ++i) {
-      amax = std::max(amax, std::abs(v[i]));
-      finite = finite && std::isfinite(v[i]);
-    }
-    if (!finite) {
-      scale[blk] = std::numeric_limits<float>::quiet_NaN();
-      continue;
-    }
-    if (amax == 0.f) continue;
-    int e = 0;
-    std::frexp(amax, &e);
-    scale[blk] = std::ldexp(1.f, e - 15);
-    // Two power-of-two factors, so that neither overflows float32 for the tiniest blocks;
-    // each product is exact, and lrint rounds to nearest even.
-    const float high = std::ldexp(1.f, std::min(15 - e, 100));
-    const float low = std::ldexp(1.f, std::max(15 - e - 100, 0));
-    for (int64_t i = 0; i < kBlock; ++i) {
-      const long q = std::lrint(v[i] * high * low);
-      xq[blk * kBlock + i] = static_cast<int16_t>(std::clamp(q, -32767L, 32767L));
-    }
-  }
-}
 
 QuantWeight check_weight(const at::Tensor& qweight, const at::Tensor& scales,
                          const std::optional<at::Tensor>& mins, int64_t bits, int64_t group,
@@ -108,8 +68,12 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const at::Tensor xc = x.contiguous();
   // x in float32 and its group sums, made here rather than with torch ops: a decode step
-  // runs this for every linear layer, and each extra op costs dispatch time.
-  std::vector<float> x32(M * K), xsum(M * groups, 0.f);
+  // runs this for every linear layer, and each extra op costs dispatch time. The buffers
+  // are the calling thread's, kept between calls (the tasks below only read them).
+  thread_local std::vector<float> x32, xsum, xq_scale;
+  thread_local std::vector<int16_t> xq;
+  x32.resize(M * K);
+  xsum.resize(M * groups);
   // Pointers taken once: data_ptr<T>() checks the dtype on every call, which cost more than
   // the conversion itself.
   if (bf16) {
@@ -127,23 +91,29 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
     }
   }
   const Kernels& kernels = kernels_for(isa);
-  std::vector<int16_t> xq;
-  std::vector<float> xq_scale;
   // Only the AVX2 set reads the int16 rows (the AVX-512 sets have other paths).
-  if (bf16 && std::strcmp(kernels.isa, "avx2") == 0) {
-    quantize_rows_int16(x32.data(), M, K, xq, xq_scale);
+  const bool int16_rows = bf16 && std::strcmp(kernels.isa, "avx2") == 0;
+  if (int16_rows) {
+    xq.resize(M * K);
+    xq_scale.resize(M * (K / QuantWeight::kBlock));
+    kernels.quant_rows_int16(x32.data(), M, K, xq.data(), xq_scale.data());
   }
   at::Tensor out = at::empty({M, N}, x.options());
   const auto tiles = kernels.quant_tiles;
   const int64_t grain = std::max<int64_t>(1, kMinWeightsPerTask / (QuantWeight::kTile * K));
+  // The tasks see the buffers through these pointers: a thread_local named in the lambda
+  // would be the running thread's own, empty, copy.
+  const float* x32p = x32.data();
+  const float* xsump = xsum.data();
+  const int16_t* xqp = xq.data();
+  const float* xq_scalep = xq_scale.data();
   at::parallel_for(0, w.tiles(), grain, [&](int64_t begin, int64_t end) {
     for (int64_t r0 = 0; r0 < M; r0 += kRowTile) {
-      QuantRows rows{x32.data() + r0 * K,
-                     bf16 ? xc.data_ptr<c10::BFloat16>() + r0 * K : nullptr,
-                     xsum.data() + r0 * groups, std::min(kRowTile, M - r0)};
-      if (!xq.empty()) {
-        rows.xq = xq.data() + r0 * K;
-        rows.xq_scale = xq_scale.data() + r0 * (K / QuantWeight::kBlock);
+      QuantRows rows{x32p + r0 * K, bf16 ? xc.data_ptr<c10::BFloat16>() + r0 * K : nullptr,
+                     xsump + r0 * groups, std::min(kRowTile, M - r0)};
+      if (int16_rows) {
+        rows.xq = xqp + r0 * K;
+        rows.xq_scale = xq_scalep + r0 * (K / QuantWeight::kBlock);
       }
       char* base = static_cast<char*>(out.data_ptr()) + r0 * N * out.element_size();
       tiles(w, rows, QuantOut{base, bf16}, begin, end);
