@@ -5,9 +5,9 @@
 // all its heads are then read together, as they lie side by side in the cache, which ran a
 // 64-decode batch in half the time of one head per item. A chunk's keys are widened to
 // float32 once, into scratch, for all M query vectors of each head (the float32 keys of a
-// one-head item are read where they lie). Each query vector's scores of 8 keys
-// are 8 vectors of partial sums (one per key, over head_dim in steps of 8), then one
-// transposing sum. The values are read in slices of a few vectors, each multiplied into
+// one-head item are read where they lie). Each query vector's scores of 8 keys are 8
+// vectors of partial sums (one per key, over head_dim in steps of 8), then one transposing
+// sum. The values are read in slices of a few vectors, each multiplied into
 // the accumulators of a few query vectors held in registers (ValueBlocks). Every query
 // vector's arithmetic is the same whatever else is in its item, so a request gives the same
 // result alone, in a batch, or after a shared-prefix item.
@@ -254,11 +254,16 @@ class AttentionItem {
       const float* alpha = &s_.alpha[m];
       const int64_t block = std::min<int64_t>(MB, (hl + 1) * M_ - m);
       for (int64_t d0 = 0; d0 < D; d0 += 8 * SV) {
+        auto slice = [&](auto mb) {
+          accumulate_slice<decltype(mb)::value, SV>(acc, D, d0, p, alpha, base, rows, n);
+        };
         switch (block) {
-          case 4: if constexpr (MB >= 4) accumulate_slice<4, SV>(acc, D, d0, p, alpha, base, rows, n); break;
-          case 3: accumulate_slice<3, SV>(acc, D, d0, p, alpha, base, rows, n); break;
-          case 2: accumulate_slice<2, SV>(acc, D, d0, p, alpha, base, rows, n); break;
-          default: accumulate_slice<1, SV>(acc, D, d0, p, alpha, base, rows, n); break;
+          case 4:
+            if constexpr (MB >= 4) slice(std::integral_constant<int, 4>{});
+            break;
+          case 3: slice(std::integral_constant<int, 3>{}); break;
+          case 2: slice(std::integral_constant<int, 2>{}); break;
+          default: slice(std::integral_constant<int, 1>{}); break;
         }
       }
     }
