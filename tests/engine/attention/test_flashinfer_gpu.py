@@ -306,7 +306,8 @@ def test_deterministic_sampling_features_match_the_cpu() -> None:
         SamplingParams(temperature=0.0, logit_bias={7: 30.0, 9: -100.0}, logprobs=0),
         SamplingParams(temperature=0.0, repetition_penalty=1.7, logprobs=3),
         SamplingParams(temperature=0.0, frequency_penalty=1.5, presence_penalty=0.8),
-        SamplingParams(temperature=0.0, min_tokens=20, logprobs=2),  # masks the stop id 2
+        # min_tokens masks the stop id 2; max_tokens (16 by default) must leave room for it.
+        SamplingParams(temperature=0.0, min_tokens=20, max_tokens=32, logprobs=2),
     ]
     rows = sampling_rows(params, rng)
     logits = torch.randn(len(rows), VOCAB) * 3
