@@ -1,4 +1,10 @@
-"""Optional wall-clock accounting of where step time goes (off by default: no overhead)."""
+"""Optional wall-clock accounting of where step time goes (off by default: no overhead).
+
+On a GPU the kernels run asynchronously, so a section timed on the host alone would show
+only its launches, and the whole step's GPU time would land in whichever section first
+waits for a result (sampling's `tolist()`). There each section synchronizes the device at
+its start and its end: the totals then hold each section's GPU time too, at the price of
+the overlap between host and GPU work that profiling turns off."""
 
 from __future__ import annotations
 
@@ -17,8 +23,9 @@ from engine.attention.metadata import AttentionMetadata
 class StepProfiler:
     """Accumulates seconds per named section; `attention` is measured inside `forward`."""
 
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, enabled: bool, device: torch.device | str = "cpu") -> None:
         self.enabled = enabled
+        self.synchronize = torch.device(device).type == "cuda"
         self.totals: dict[str, float] = defaultdict(float)
 
     def section(self, name: str) -> Any:
@@ -26,10 +33,14 @@ class StepProfiler:
 
     @contextmanager
     def _timed(self, name: str) -> Iterator[None]:
+        if self.synchronize:
+            torch.cuda.synchronize()
         start = time.perf_counter()
         try:
             yield
         finally:
+            if self.synchronize:
+                torch.cuda.synchronize()
             self.totals[name] += time.perf_counter() - start
 
     def wrap_backend(self, backend: AttentionBackend) -> AttentionBackend:

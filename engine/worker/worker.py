@@ -265,9 +265,9 @@ class Worker:
         if self.tp_group is not None:
             self.tp_group.send("kv_cache", cache.num_blocks, cache.block_size)
             return TensorParallelRunner(
-                *runner_args, StepProfiler(enabled=profile), group=self.tp_group
+                *runner_args, StepProfiler(profile, self.device), group=self.tp_group
             )
-        return ModelRunner(*runner_args, StepProfiler(enabled=profile), graphs)
+        return ModelRunner(*runner_args, StepProfiler(profile, self.device), graphs)
 
 
 def kv_blocks_for_budget(
