@@ -57,7 +57,9 @@ def run_pagedserve(args: argparse.Namespace, prompts: list[list[int]]) -> dict[s
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     profile = llm.core.runner.profiler.report()
     profile["scheduler+output"] = elapsed - sum(
-        v for k, v in profile.items() if k in ("metadata", "forward", "sampling")
+        v
+        for k, v in profile.items()
+        if k in ("metadata", "forward", "logits", "grammar", "sampling")
     )
     return {
         "output_tokens": tokens,

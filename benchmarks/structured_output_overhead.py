@@ -111,7 +111,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             rates[mode].append(sum(counts) / seconds)
             if mode == "constrained":
                 spent = {k: v - before.get(k, 0.0) for k, v in profile.items()}
-                step_s += sum(spent.get(k, 0.0) for k in ("metadata", "forward", "sampling"))
+                step_s += sum(
+                    spent.get(k, 0.0)
+                    for k in ("metadata", "forward", "logits", "grammar", "sampling")
+                )
                 grammar_s += spent.get("grammar", 0.0)
     await engine.stop()
     median = {mode: statistics.median(values) for mode, values in rates.items()}

@@ -93,8 +93,7 @@ class ModelRunner:
             return ModelRunnerOutput({})
         with self._threads():
             hidden, host = self._forward(batch)  # (T, hidden)
-            with self.profiler.section("sampling"):
-                return self._sample(hidden, host, batch)
+            return self._sample(hidden, host, batch)
 
     def _threads(self) -> Any:
         return nullcontext() if self.threads is None else self.threads.step()
@@ -134,19 +133,23 @@ class ModelRunner:
     ) -> ModelRunnerOutput:
         rows = batch.sample_rows
         last_tokens = host.qo_indptr[1:][rows].astype(np.int64) - 1
-        logits = self.model.compute_logits(hidden[torch.from_numpy(last_tokens).to(self.device)])
+        with self.profiler.section("logits"):
+            last = hidden[torch.from_numpy(last_tokens).to(self.device)]
+            logits = self.model.compute_logits(last)
         states = [batch.requests[r] for r in rows]
         with self.profiler.section("grammar"):
             self.grammar_bitmask.apply_to(logits, [s.request for s in states])
-        sampled = self.sampler(logits, [s.sampling_row() for s in states])
-        request_ids = [s.request.request_id for s in states]
-        logprobs = {
-            rid: lp for rid, lp in zip(request_ids, sampled.logprobs, strict=True) if lp is not None
-        }
+        with self.profiler.section("sampling"):
+            sampled = self.sampler(logits, [s.sampling_row() for s in states])
+            request_ids = [s.request.request_id for s in states]
+            logprobs = {
+                rid: lp
+                for rid, lp in zip(request_ids, sampled.logprobs, strict=True)
+                if lp is not None
+            }
+            prompt_logprobs = self._prompt_logprobs(hidden, host, batch)
         return ModelRunnerOutput(
-            dict(zip(request_ids, sampled.token_ids, strict=True)),
-            logprobs,
-            self._prompt_logprobs(hidden, host, batch),
+            dict(zip(request_ids, sampled.token_ids, strict=True)), logprobs, prompt_logprobs
         )
 
     def _prompt_logprobs(

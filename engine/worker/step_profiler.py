@@ -21,7 +21,10 @@ from engine.attention.metadata import AttentionMetadata
 
 
 class StepProfiler:
-    """Accumulates seconds per named section; `attention` is measured inside `forward`."""
+    """Accumulates seconds per named section. The model runner's sections do not overlap
+    (metadata, forward, logits, grammar, sampling), except `attention`, measured inside
+    `forward` where the attention backend is called from Python: the native decoder layers
+    (engine/models/fused_layers.py) attend in C++, and then it is absent."""
 
     def __init__(self, enabled: bool, device: torch.device | str = "cpu") -> None:
         self.enabled = enabled
@@ -55,6 +58,10 @@ class _TimedBackend:
         self.inner = inner
         self.profiler = profiler
         self.name = inner.name
+        # The native decoder layers' arguments: without them the model would fall back to
+        # its Python layers, and a profile would time another path than the one it serves.
+        if hasattr(inner, "layer_args"):
+            self.layer_args = inner.layer_args
 
     def plan(self, metadata: AttentionMetadata) -> None:
         with self.profiler.section("attention_plan"):

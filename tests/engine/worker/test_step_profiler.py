@@ -4,6 +4,7 @@ section so that a section's GPU time is counted in it rather than where it is ne
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,3 +41,42 @@ def test_a_cuda_section_waits_for_the_device_at_both_ends(
     with profiler.section("forward"):
         calls.append("body")
     assert calls == ["sync"] * (syncs // 2) + ["body"] + ["sync"] * (syncs // 2)
+
+
+class _Backend:
+    name = "stub"
+
+    def plan(self, metadata: object) -> None:
+        pass
+
+
+class _NativeBackend(_Backend):
+    def layer_args(self, layer_idx: int) -> tuple[int, ...]:
+        return (layer_idx, 7)
+
+
+def test_the_timed_backend_keeps_the_native_layers_arguments() -> None:
+    """Without layer_args the model falls back to its Python layers: a profile would time
+    another path than the one served."""
+    profiler = StepProfiler(True)
+    assert profiler.wrap_backend(_NativeBackend()).layer_args(3) == (3, 7)  # type: ignore[arg-type]
+    assert not hasattr(profiler.wrap_backend(_Backend()), "layer_args")  # type: ignore[arg-type]
+
+
+def test_a_profiled_engine_runs_the_native_layers_and_times_each_section(tmp_path: Path) -> None:
+    from engine import LLM, EngineHooks, SamplingParams
+    from engine.ops.loader import native_kernels
+    from tests.tiny_models import make_tiny_model
+
+    assert native_kernels().available, native_kernels().reason
+    llm = LLM(
+        str(make_tiny_model("llama", tmp_path)), dtype="float32", hooks=EngineHooks(profile=True)
+    )
+    assert llm.core.runner.model.fused_layers is not None
+    start = time.perf_counter()
+    llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    wall = time.perf_counter() - start
+    totals = llm.core.runner.profiler.report()
+    assert {"metadata", "forward", "logits", "sampling"} <= set(totals)
+    assert "attention" not in totals  # attention ran inside the native layers
+    assert sum(totals.values()) <= wall  # the sections do not overlap
