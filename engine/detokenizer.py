@@ -2,12 +2,44 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 from engine.sampling_params import SamplingParams
 
 # Prompt tokens kept as context, so the first output token decodes with the right spacing.
 _CONTEXT_TOKENS = 6
+
+
+def window_decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """`tokenizer.decode(ids, skip_special_tokens, clean_up_tokenization_spaces=False)` as
+    a function of the ids. For transformers' tokenizers-backed class, where the subclass
+    overrides neither `decode` nor `_decode`, that call comes down to the Rust tokenizer's
+    own decode, which this calls directly: about 5 us a call instead of 13, and two calls
+    per generated token, so at 256 sequences a step saves about 4 ms of host time."""
+    rust = getattr(tokenizer, "_tokenizer", None)
+    if rust is not None and _plain_tokenizers_backend(type(tokenizer)):
+        return lambda ids: str(rust.decode(ids, skip_special_tokens=skip_special_tokens))
+    return lambda ids: str(
+        tokenizer.decode(
+            ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+    )
+
+
+@functools.cache
+def _plain_tokenizers_backend(cls: type) -> bool:
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: keep its own decode
+        return False
+    return (
+        issubclass(cls, TokenizersBackend)
+        and cls.decode is PreTrainedTokenizerBase.decode
+        and cls._decode is TokenizersBackend._decode
+    )
 
 
 class IncrementalDetokenizer:
@@ -19,8 +51,7 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool):
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
+        self._decode = window_decoder(tokenizer, skip_special_tokens)
         self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -34,15 +65,6 @@ class IncrementalDetokenizer:
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return after[len(before) :]
-
-    def _decode(self, ids: list[int]) -> str:
-        return str(
-            self.tokenizer.decode(
-                ids,
-                skip_special_tokens=self.skip_special_tokens,
-                clean_up_tokenization_spaces=False,
-            )
-        )
 
 
 class StoppableText:

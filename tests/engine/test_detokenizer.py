@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -72,3 +73,38 @@ def test_held_back_text_is_flushed_when_no_stop_matches(tokenizer) -> None:
     stoppable, deltas = feed(tokenizer, text, SamplingParams(stop=["STOP"]))
     assert "".join(deltas) == tokenizer.decode(tokenizer.encode(text))
     assert stoppable.matched_stop is None
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_the_direct_window_decoder_equals_the_tokenizers_decode(
+    tokenizer, skip_special_tokens: bool
+) -> None:
+    """The default tokenizer takes the Rust decode directly; every window, special tokens
+    and split multi-byte characters included, decodes as transformers' decode does."""
+    from engine.detokenizer import _plain_tokenizers_backend, window_decoder
+
+    assert _plain_tokenizers_backend(type(tokenizer))
+    decode = window_decoder(tokenizer, skip_special_tokens)
+    ids = [*tokenizer.encode(TEXTS[0]), tokenizer.eos_token_id, *tokenizer.encode(TEXTS[1])]
+    for start in range(len(ids)):
+        for end in range(start, min(len(ids), start + 8) + 1):
+            window = ids[start:end]
+            expected = tokenizer.decode(
+                window, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+            )
+            assert decode(window) == expected
+
+
+def test_a_tokenizer_that_overrides_decode_keeps_its_own(tokenizer) -> None:
+    from engine.detokenizer import window_decoder
+
+    class Shouting(type(tokenizer)):  # type: ignore[misc]
+        def decode(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            return super().decode(*args, **kwargs).upper()
+
+    shouting = copy.copy(tokenizer)
+    shouting.__class__ = Shouting
+    ids = tokenizer.encode("Paris is the capital")
+    assert window_decoder(shouting, True)(ids) == tokenizer.decode(ids).upper()
+    detok = IncrementalDetokenizer(shouting, [], skip_special_tokens=True)
+    assert "".join(detok.add(t) for t in ids) == tokenizer.decode(ids).upper()
