@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from engine.kv_cache import BlockPool, FreeBlockQueue, KVCacheBlock, KVCacheManager
@@ -239,3 +241,63 @@ def test_resumed_request_is_not_counted_again() -> None:
     assert num_hit == 8
     assert manager.allocate_slots(a, 1, hits) is not None
     assert (manager.counters.queries, manager.counters.hits) == (9, 0)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("seed", range(4))
+def test_the_running_requests_fast_path_changes_nothing_the_general_path_would_not(
+    caching: bool, seed: int
+) -> None:
+    """allocate_slots returns early for a running request whose next tokens fit its blocks
+    and fill no block (_fits_as_is). Driven through random admissions with shared
+    prefixes, chunked and one-token steps and frees, a manager with it and one without
+    agree after every call: blocks, free queue order, cached hashes, registrations."""
+    rng = random.Random(seed)
+    managers = [KVCacheManager(48, B, caching), KVCacheManager(48, B, caching)]
+    managers[1]._fits_as_is = lambda *args: False  # type: ignore[method-assign]
+    prefix = [rng.randrange(50) for _ in range(9)]
+    running: list[tuple[Request, Request]] = []
+    fast_paths = 0
+    for step in range(300):
+        action = rng.random()
+        if action < 0.15 and len(running) < 6:
+            tokens = prefix[: rng.randrange(10)] + [
+                rng.randrange(50) for _ in range(rng.randrange(1, 9))
+            ]
+            pair = tuple(make_request(f"r{step}", tokens) for _ in managers)
+            news = []
+            for manager, request in zip(managers, pair, strict=True):
+                hits, num_hit = manager.get_computed_blocks(request)
+                new = manager.allocate_slots(request, request.num_tokens - num_hit, hits)
+                news.append(None if new is None else [b.block_id for b in new])
+                if new is not None:
+                    request.num_computed_tokens = request.num_tokens
+            assert news[0] == news[1]
+            if news[0] is not None:
+                running.append(pair)  # type: ignore[arg-type]
+        elif action < 0.25 and running:
+            for manager, request in zip(
+                managers, running.pop(rng.randrange(len(running))), strict=True
+            ):
+                manager.free(request)
+        elif running:
+            pair = running[rng.randrange(len(running))]
+            tokens = [rng.randrange(50) for _ in range(rng.choice([1, 1, 1, 2, 6]))]
+            news = []
+            for manager, request in zip(managers, pair, strict=True):
+                for token in tokens:
+                    request.append_output_token(token)
+                fast_paths += manager is managers[0] and manager._fits_as_is(request, len(tokens))
+                new = manager.allocate_slots(request, len(tokens))
+                news.append(None if new is None else [b.block_id for b in new])
+                if new is not None:
+                    request.num_computed_tokens += len(tokens)
+            assert news[0] == news[1]
+        fast, general = managers
+        for a, b in running:
+            assert fast.block_ids(a.request_id) == general.block_ids(b.request_id)
+        assert free_order(fast) == free_order(general)
+        assert fast.pool.cached.keys() == general.pool.cached.keys()
+        assert fast._num_registered == general._num_registered
+        fast.check_invariants()
+    assert fast_paths > 50  # the fast path was taken, and often
