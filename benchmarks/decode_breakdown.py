@@ -1,0 +1,132 @@
+"""A single-stream decode step against its kernels alone, without a profiler: the share of
+the step spent outside the matmul and attention kernels (dispatch, the small ops between
+them, metadata, sampling, scheduling, output processing).
+
+    python benchmarks/decode_breakdown.py                      # bf16
+    python benchmarks/decode_breakdown.py --quantization auto  # the default model's Q4_1 file
+
+The step: one request whose prompt is in the prefix cache, greedy, timed as the difference
+between generating `--steps` + 1 tokens and 1 token (so only decode steps count). The
+kernels: each layer's four linears and its attention, called directly with the step's own
+weights and page table, and the LM head, as one loop. torch.profiler charges its own cost
+per op to the ops around the kernels, so step_profile.py's shares overstate the rest on a
+small model; this does not. The two are timed alternately, best of `--rounds`. Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import engine.models.llama as llama
+from engine import LLM, SamplingParams
+
+
+def best_ms(fn: Callable[[], Any], repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return 1e3 * best
+
+
+def capture_layer_args(llm: LLM, prompt: list[int]) -> list[tuple[Any, ...]]:
+    """The attention arguments of each native decoder layer in one decode step."""
+    captured: list[list[tuple[Any, ...]]] = []
+    run = llama.run_fused_layers
+
+    def spy(layers: list[Any], x: torch.Tensor, cos: Any, sin: Any, attn: Any) -> Any:
+        captured.append([attn.layer_args(i) for i in range(len(layers))])
+        return run(layers, x, cos, sin, attn)
+
+    llama.run_fused_layers = spy
+    try:
+        llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    finally:
+        llama.run_fused_layers = run
+    if not captured:
+        raise SystemExit("the native decoder layers did not run: no native kernels here?")
+    return captured[-1]
+
+
+def kernels_loop(llm: LLM, layer_args: list[tuple[Any, ...]]) -> Callable[[], None]:
+    """One decode step's kernels: per layer the four linears and attention, then the head."""
+    model = llm.core.runner.model
+    dtype = getattr(torch, llm.config.device.dtype)
+    calls: list[Callable[[], Any]] = []
+    for layer, args in zip(model.layers, layer_args, strict=True):
+        attn, mlp = layer.self_attn, layer.mlp
+        for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            x = torch.randn(1, lin.in_features).to(dtype)
+            if lin.quantized is not None:
+                qargs = lin.quantized.kernel_args()
+                calls.append(lambda x=x, q=qargs: torch.ops.pagedserve.quant_linear(x, *q))
+            elif lin.tiled is not None:
+                tiled, n = lin.tiled, lin.out_features
+                calls.append(lambda x=x, t=tiled, n=n: torch.ops.pagedserve.bf16_linear(x, t, n))
+            else:
+                calls.append(lambda x=x, lin=lin: lin(x))
+        q = torch.randn(1, attn.num_heads, attn.head_dim).to(dtype)
+        out = torch.empty_like(q)
+        k_cache, v_cache, _, *metadata, scale = args
+        calls.append(
+            lambda q=q, o=out, k=k_cache, v=v_cache, m=metadata, s=scale: (
+                torch.ops.pagedserve.paged_attention(o, q, k, v, *m, s)
+            )
+        )
+    hidden = torch.randn(1, model.arch.hidden_size).to(dtype)
+    calls.append(lambda: model.compute_logits(hidden))
+
+    def loop() -> None:
+        for call in calls:
+            call()
+
+    return loop
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="model directory (default: bundled)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quantization", default="none")
+    p.add_argument("--prompt-len", type=int, default=200)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args()
+    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, max_model_len=2048)
+    rng = random.Random(0)
+    prompt = [rng.randrange(1000, 40000) for _ in range(args.prompt_len)]
+    layer_args = capture_layer_args(llm, prompt)  # also caches the prompt
+    kernels = kernels_loop(llm, layer_args)
+
+    def generate(n: int) -> None:
+        llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+
+    step_ms, kernel_ms = float("inf"), float("inf")
+    for _ in range(args.rounds):
+        one = best_ms(lambda: generate(1), 2)
+        many = best_ms(lambda: generate(args.steps + 1), 1)
+        step_ms = min(step_ms, (many - one) / args.steps)
+        kernel_ms = min(kernel_ms, best_ms(kernels, args.steps))
+    result = {
+        "quantization": args.quantization,
+        "decode_step_ms": step_ms,
+        "kernels_ms": kernel_ms,
+        "outside_kernels": 1 - kernel_ms / step_ms,
+    }
+    print(
+        f"{args.quantization}: decode step {step_ms:.2f} ms, its kernels alone "
+        f"{kernel_ms:.2f} ms: {100 * result['outside_kernels']:.0f}% outside them"
+    )
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
