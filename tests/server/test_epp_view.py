@@ -10,6 +10,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -32,23 +33,48 @@ class Scrape:
     engine: tuple[int, int, float] | None
 
 
-def scrape(server: LiveServer) -> Scrape:
+class ScheduleCount:
+    """Counts the scheduler's schedule() calls: a step's first act after the test hook's
+    delay, and where it changes the running and waiting counts."""
+
+    def __init__(self, core: Any) -> None:
+        self.count = core.num_steps  # idle: every step so far has scheduled once
+        schedule = core.scheduler.schedule
+
+        def counted() -> Any:
+            self.count += 1
+            return schedule()
+
+        core.scheduler.schedule = counted
+
+
+def scrape(server: LiveServer, client: httpx.Client, scheduled: ScheduleCount) -> Scrape:
+    """One /metrics scrape. `client` keeps its connection: a fresh httpx.get builds an SSL
+    context first (50-80 ms here), longer than a step, so few scrapes would fall between
+    two steps."""
     core, engine = server.engine.core, server.engine
     before = (
         len(core.scheduler.running),
         len(core.scheduler.waiting),
         core.scheduler.kv_cache.usage(),
     )
-    steps, stepping = core.num_steps, engine._stepping
-    text = httpx.get(f"{server.url}/metrics").text
+    steps, stepping, schedules = core.num_steps, engine._stepping, scheduled.count
+    text = client.get(f"{server.url}/metrics").text
     after = (
         len(core.scheduler.running),
         len(core.scheduler.waiting),
         core.scheduler.kv_cache.usage(),
     )
-    # The gauges are published after each step; while the next one is in flight (and has
-    # not finished), the scheduler holds what they were published from.
-    steady = stepping and engine._stepping and core.num_steps == steps and before == after
+    # The gauges are published after each step. While the next one is in flight but has
+    # not scheduled yet (it sleeps the hook's delay first), the scheduler holds what they
+    # were published from; its schedule() changes that before the step ends.
+    steady = (
+        stepping
+        and engine._stepping
+        and core.num_steps == steps
+        and scheduled.count == schedules == steps
+        and before == after
+    )
     families = {f.name: f for f in text_string_to_metric_families(text)}
     for name in EPP_GAUGES:
         assert families[name].type == "gauge", name
@@ -83,7 +109,8 @@ def wait_for(condition: Callable[[], bool], timeout: float = 60) -> bool:
 
 def test_metrics_the_epp_reads_under_load(tiny_model_dir: Path) -> None:
     engine = tiny_engine(tiny_model_dir, EngineHooks(step_delay=0.05), max_num_seqs=MAX_NUM_SEQS)
-    with LiveServer(engine, served_model_name="tiny") as server:
+    with LiveServer(engine, served_model_name="tiny") as server, httpx.Client() as client:
+        scheduled = ScheduleCount(server.engine.core)
 
         def complete(i: int) -> int:
             body = {"prompt": f"t{10 + i} t11 t12 t13", "max_tokens": 24, "ignore_eos": True}
@@ -99,12 +126,12 @@ def test_metrics_the_epp_reads_under_load(tiny_model_dir: Path) -> None:
             assert wait_for(lambda: core.num_steps >= published)
             scrapes: list[Scrape] = []
             while len(scrapes) < 400:
-                scrapes.append(scrape(server))
+                scrapes.append(scrape(server, client, scheduled))
                 if scrapes[-1].running == 0 and len(scrapes) > 20 and server.wait_idle(0):
                     break
                 time.sleep(0.01)
             assert list(answers) == [200] * 10
-        scrapes.append(scrape(server))
+        scrapes.append(scrape(server, client, scheduled))
     for s in scrapes:
         assert s.waiting >= 0 and s.waiting == int(s.waiting)
         assert 0 <= s.running <= MAX_NUM_SEQS and s.running == int(s.running)
