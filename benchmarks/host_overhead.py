@@ -50,16 +50,6 @@ def measure(llm: LLM, prompts: list[list[int]], output_len: int) -> dict[str, An
     }
 
 
-def transformers_decode(tokenizer: Any, skip_special_tokens: bool) -> Any:
-    """The detokenizer's window decode through transformers' decode, as before the direct
-    path (engine/detokenizer.py)."""
-    return lambda ids: str(
-        tokenizer.decode(
-            ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
-        )
-    )
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--num-seqs", type=int, default=256)
@@ -89,7 +79,8 @@ def main() -> None:
 
     decoders = {"direct decode": detokenizer.window_decoder}
     if args.compare_decode:
-        decoders["transformers decode"] = transformers_decode
+        # As before the direct path: every window through transformers' decode.
+        decoders["transformers decode"] = detokenizer.transformers_window_decoder
     # The variants alternate run by run, so the machine's drift hits them alike; each
     # keeps its fastest run.
     results: dict[str, dict[str, Any]] = {}

@@ -21,6 +21,13 @@ def window_decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[
     rust = getattr(tokenizer, "_tokenizer", None)
     if rust is not None and _plain_tokenizers_backend(tokenizer.__class__):
         return lambda ids: str(rust.decode(ids, skip_special_tokens=skip_special_tokens))
+    return transformers_window_decoder(tokenizer, skip_special_tokens)
+
+
+def transformers_window_decoder(
+    tokenizer: Any, skip_special_tokens: bool
+) -> Callable[[list[int]], str]:
+    """The same through the tokenizer's own `decode`, whatever its class."""
     return lambda ids: str(
         tokenizer.decode(
             ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False

@@ -115,6 +115,7 @@ class KVCacheManager:
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
+        self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, events)
         self.prefix_cache: PrefixCache = (
             HashPrefixCache(self.pool, block_size) if enable_caching else NoPrefixCache()
@@ -199,7 +200,7 @@ class KVCacheManager:
         end = request.num_computed_tokens + num_new_tokens
         if end > len(held) * self.block_size:
             return False
-        if isinstance(self.prefix_cache, NoPrefixCache):
+        if not self.enable_caching:  # nothing is ever registered
             return True
         full = min(end, request.num_tokens) // self.block_size
         return full <= self._num_registered.get(request.request_id, 0)

@@ -10,6 +10,7 @@ are packed once into a TorchScript object that holds the module's own tensors (n
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -79,6 +80,7 @@ def run_fused_layers(
     return x, residual
 
 
+@functools.cache
 def _decoder_layer_op() -> Any:
     """pagedserve::decoder_layer's C++ entry point. Calling an op packet whose schema takes
     a custom class first scans every argument for torch.compile's FakeScriptObject (8 us a

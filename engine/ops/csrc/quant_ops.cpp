@@ -107,15 +107,17 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   const float* xsump = xsum.data();
   const int16_t* xqp = xq.data();
   const float* xq_scalep = xq_scale.data();
+  const c10::BFloat16* xbp = bf16 ? xc.data_ptr<c10::BFloat16>() : nullptr;
+  char* outp = static_cast<char*>(out.data_ptr());
   at::parallel_for(0, w.tiles(), grain, [&](int64_t begin, int64_t end) {
     for (int64_t r0 = 0; r0 < M; r0 += kRowTile) {
-      QuantRows rows{x32p + r0 * K, bf16 ? xc.data_ptr<c10::BFloat16>() + r0 * K : nullptr,
-                     xsump + r0 * groups, std::min(kRowTile, M - r0)};
+      QuantRows rows{x32p + r0 * K, bf16 ? xbp + r0 * K : nullptr, xsump + r0 * groups,
+                     std::min(kRowTile, M - r0)};
       if (int16_rows) {
         rows.xq = xqp + r0 * K;
         rows.xq_scale = xq_scalep + r0 * (K / QuantWeight::kBlock);
       }
-      char* base = static_cast<char*>(out.data_ptr()) + r0 * N * out.element_size();
+      char* base = outp + r0 * N * out.element_size();
       tiles(w, rows, QuantOut{base, bf16}, begin, end);
     }
   });
