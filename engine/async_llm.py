@@ -1,11 +1,12 @@
 """AsyncLLM: the engine's asyncio face, and the only one the HTTP gateway sees.
 
 One background task owns the engine. It drains an inbox of adds and aborts into the
-EngineCore, runs `step()` in a single worker thread so the event loop stays free, and hands
-the step's outputs to the OutputProcessor (detokenization, stop strings, the `n` fan-out).
-Each caller's request then receives RequestOutputs on its own collector. Engine state is
-only touched between steps, by that task, so nothing needs a lock. With no work it sleeps
-on the inbox.
+EngineCore, starts a run of steps in a single worker thread so the event loop stays free, and
+hands each step's outputs to the OutputProcessor (detokenization, stop strings, the `n`
+fan-out). Each caller's request then receives RequestOutputs on its own collector. A run
+steps back to back for as long as the loop has nothing to apply between steps; the loop
+touches engine state only between runs, so nothing needs a lock. With no work it sleeps on
+the inbox.
 """
 
 from __future__ import annotations
@@ -80,7 +81,17 @@ class AsyncLLM:
         self._collectors: dict[str, OutputCollector] = {}
         self._executor = executor or engine_thread()
         self._task: asyncio.Task[None] | None = None
-        self._step: Future[StepResult] | None = None
+        self._step: Future[None] | None = None  # the run of steps in the worker thread
+        # Each step's result, and whether its run ended with it (or the exception a step
+        # raised), from the worker thread, in order.
+        self._results: asyncio.Queue[tuple[StepResult | BaseException, bool]] = asyncio.Queue()
+        # Set on the loop when it has something to apply between steps: the run in flight
+        # ends after its current step. Cleared only between runs.
+        self._handover = False
+        # Steps the worker has posted, and the loop has handled: the worker writes one, the
+        # loop the other, so neither needs a lock.
+        self._posted = 0
+        self._handled = 0
         self._listener: StatsListener | None = None
         self._abort_stats = IterationStats()
         # Engine requests that ended on a stop string, to abort before the next step.
@@ -123,6 +134,7 @@ class AsyncLLM:
     async def stop(self) -> None:
         """Cancels the loop; waits for a step in flight without blocking the event loop
         (and without a thread of its own, so a caller may time out on a hung step)."""
+        self._handover = True  # a run in flight ends after its current step
         if self._task is not None:
             self._task.cancel()
             try:
@@ -198,7 +210,7 @@ class AsyncLLM:
         collector = OutputCollector(params.output_kind)
         self._collectors[request_id] = collector
         add = _Add(request_id, prompt_token_ids, params, cache_salt, prompt, labels or {})
-        self._inbox.put_nowait(add)
+        self._post(add)
         self._count(self._inbox_load, add, +1)
 
         def release(abort: bool) -> None:
@@ -222,13 +234,13 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         """Asks the loop to end a request; unknown or finished ids are ignored."""
-        self._inbox.put_nowait(_Abort(request_id))
+        self._post(_Abort(request_id))
 
     async def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix between two steps, if no request holds KV blocks
         then; returns whether it did (KV event subscribers get AllBlocksCleared)."""
         done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._inbox.put_nowait(_ResetPrefixCache(done))
+        self._post(_ResetPrefixCache(done))
         return await done
 
     async def watch(self) -> AsyncIterator[EngineView]:
@@ -248,6 +260,10 @@ class AsyncLLM:
         finally:
             self._monitor.unsubscribe(watcher)
 
+    def _post(self, message: _Add | _Abort | _ResetPrefixCache) -> None:
+        self._inbox.put_nowait(message)
+        self._handover = True
+
     def _validate(self, prompt_token_ids: list[int]) -> None:
         max_model_len = self.config.scheduler.max_model_len
         if not prompt_token_ids:
@@ -262,40 +278,51 @@ class AsyncLLM:
     # ---- the loop ------------------------------------------------------------------
 
     async def _run(self) -> None:
-        """Steps back to back. Engine state is touched only between steps; while a step
-        runs in the worker thread, the loop hands out the previous step's outputs
+        """Between runs, applies the inbox and the stop aborts and starts the next run of
+        steps in the worker thread; while it runs, hands out each step's outputs
         (detokenization, stop strings, streams, metrics), so that host work hides behind
-        the model. A stop string found then ends its choice at once for the caller; its
-        engine request is aborted before the next step starts, one wasted token later."""
-        previous: StepResult | None = None
+        the model. A run ends at the first step after which the loop has something to apply
+        (see _steps); the loop hands out its last step's outputs after it has started the
+        next run. A stop string found in step N's outputs ends its choice at once for the
+        caller; its engine request is aborted before step N + 2, one wasted token later."""
+        loop = asyncio.get_running_loop()
+        last: StepResult | None = None  # a run's last step, handled once the next one starts
         try:
             while True:
                 self._apply_stop_aborts()
-                if previous is None and not self.core.has_unfinished_requests():
+                if last is None and not self.core.has_unfinished_requests():
                     self._apply(await self._inbox.get())
                     self.last_progress = time.monotonic()
                 while not self._inbox.empty():
                     self._apply(self._inbox.get_nowait())
-                step = None
-                if self.core.has_unfinished_requests():
+                running = self.core.has_unfinished_requests()
+                if running:
+                    self._handover = False
                     self._stepping = True
-                    step = self._step = self._executor.submit(self.core.step)
-                if previous is not None:
-                    self._handle(previous)
-                    previous = None
-                if step is None:
+                    self._step = self._executor.submit(self._steps, loop)
+                if last is not None:
+                    self._handle(last)
+                    last = None
+                if not running:
                     # Idle (all done, or aborted): publish the gauges as they are now, as
                     # no step will.
                     stats = self.core.stats()
                     self._waiting_load = [stats.num_waiting, stats.num_waiting_tokens]
                     self._publish(stats, IterationStats())
                     continue
-                previous = await asyncio.wrap_future(step)
-                self._stepping = False
-                self.last_progress = time.monotonic()
-                self._monitor.capture_if_due()  # the engine as this step left it
-                # Exact as of this step; adds from the inbox count on top of it.
-                self._waiting_load = [previous.stats.num_waiting, previous.stats.num_waiting_tokens]
+                while last is None:
+                    result, final = await self._results.get()
+                    if isinstance(result, BaseException):
+                        raise result
+                    self.last_progress = time.monotonic()
+                    # Exact as of this step; adds from the inbox count on top of it.
+                    self._waiting_load = [result.stats.num_waiting, result.stats.num_waiting_tokens]
+                    if not final:
+                        self._handle(result)
+                        continue
+                    self._stepping = False
+                    self._monitor.capture_if_due()  # the engine as this run left it
+                    last = result
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
@@ -303,6 +330,33 @@ class AsyncLLM:
             self.error = exc
             for collector in self._collectors.values():
                 collector.put(EngineDeadError(f"the engine failed: {exc!r}"))
+
+    def _steps(self, loop: asyncio.AbstractEventLoop) -> None:
+        """A run of steps, on the worker thread: steps back to back, without waking the
+        event loop to start each one, for as long as the loop has nothing to apply between
+        them (no inbox message or stop abort: _handover), has handed out every step but the
+        one just taken, and no view is due. Each result goes to the loop in order."""
+        while True:
+            final = True
+            try:
+                result: StepResult | BaseException = self.core.step()
+                self._posted += 1
+                # _handled before _handover: the loop sets _handover before it counts the
+                # step whose stop strings asked for it, so a counted step's ask is seen.
+                final = (
+                    self._handled < self._posted - 1
+                    or self._handover
+                    or self._monitor.due()
+                    or not self.core.has_unfinished_requests()
+                )
+            except BaseException as exc:
+                result = exc
+            try:
+                loop.call_soon_threadsafe(self._results.put_nowait, (result, final))
+            except RuntimeError:
+                return  # the event loop has closed: no one is left to take the result
+            if final:
+                return
 
     def _apply(self, message: _Add | _Abort | _ResetPrefixCache) -> None:
         if isinstance(message, _Abort):
@@ -354,7 +408,10 @@ class AsyncLLM:
         """Runs while the next step may be in flight: touches no engine state (the aborts
         wait for _apply_stop_aborts, between steps)."""
         processed = self._processor.process_outputs(result.outputs)
-        self._stop_aborts += processed.aborts
+        if processed.aborts:
+            self._stop_aborts += processed.aborts
+            self._handover = True
+        self._handled += 1
         for output in processed.outputs:
             collector = self._collectors.get(output.request_id)
             if collector is not None:

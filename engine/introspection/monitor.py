@@ -105,9 +105,13 @@ class EngineMonitor:
         now = time.time()
         self._finished.extend(_finished_view(f, now) for f in iteration.finished)
 
+    def due(self) -> bool:
+        """Whether a watcher waits for a view that is due (safe to ask from any thread)."""
+        return bool(self._watchers) and time.monotonic() >= self._next_due
+
     def capture_if_due(self) -> None:
         """Takes a view for the watchers when one is due. Call it between steps only."""
-        if self._watchers and time.monotonic() >= self._next_due:
+        if self.due():
             self.capture()
 
     def capture(self) -> None:
