@@ -91,6 +91,24 @@ class ServerMetrics:
             self.success.labels(model_name, reason)
         for reason in REJECTION_REASONS:
             self.rejected.labels(model_name, reason)
+        # The series record() updates after every step, looked up once (each labels() call
+        # takes a lock and hashes its labels).
+        self._step_series = tuple(
+            metric.labels(model_name)
+            for metric in (
+                self.running,
+                self.waiting,
+                self.kv_usage,
+                self.prefix_queries,
+                self.prefix_hits,
+                self.preemptions,
+                self.iteration_tokens,
+                self.generation_tokens,
+                self.ttft,
+                self.itl,
+                self.queue_time,
+            )
+        )
 
     def _gauge(self, name: str, doc: str) -> Gauge:
         metric = Gauge(name, doc, ["model_name"], registry=self.registry)
@@ -115,23 +133,26 @@ class ServerMetrics:
 
     def record(self, stats: SchedulerStats, iteration: IterationStats) -> None:
         """The engine's stats listener: runs on the event loop after every step."""
-        name = self.model_name
-        self.running.labels(name).set(stats.num_running)
-        self.waiting.labels(name).set(stats.num_waiting)
-        self.kv_usage.labels(name).set(stats.kv_cache_usage)
-        self.prefix_queries.labels(name).inc(stats.prefix_cache_queries)
-        self.prefix_hits.labels(name).inc(stats.prefix_cache_hits)
-        self.preemptions.labels(name).inc(stats.num_preemptions)
+        running, waiting, kv_usage, queries, hits, preemptions, *rest = self._step_series
+        iteration_tokens, generation_tokens, ttft, itl, queue_time = rest
+        running.set(stats.num_running)
+        waiting.set(stats.num_waiting)
+        kv_usage.set(stats.kv_cache_usage)
+        if stats.prefix_cache_queries:
+            queries.inc(stats.prefix_cache_queries)
+            hits.inc(stats.prefix_cache_hits)
+        if stats.num_preemptions:
+            preemptions.inc(stats.num_preemptions)
         if stats.num_scheduled_tokens:
-            self.iteration_tokens.labels(name).observe(stats.num_scheduled_tokens)
+            iteration_tokens.observe(stats.num_scheduled_tokens)
         if iteration.num_generation_tokens:
-            self.generation_tokens.labels(name).inc(iteration.num_generation_tokens)
+            generation_tokens.inc(iteration.num_generation_tokens)
         for value in iteration.time_to_first_tokens:
-            self.ttft.labels(name).observe(value)
+            ttft.observe(value)
         for value in iteration.inter_token_latencies:
-            self.itl.labels(name).observe(value)
+            itl.observe(value)
         for value in iteration.queue_times:
-            self.queue_time.labels(name).observe(value)
+            queue_time.observe(value)
         for finished in iteration.finished:
             self._record_finished(finished)
 
