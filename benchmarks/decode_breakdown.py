@@ -96,11 +96,18 @@ def main() -> None:
     p.add_argument("--model", default=None, help="model directory (default: bundled)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--quantization", default="none")
+    p.add_argument("--quantize-lm-head", action="store_true")
     p.add_argument("--prompt-len", type=int, default=200)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args()
-    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, max_model_len=2048)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        quantize_lm_head=args.quantize_lm_head,
+        max_model_len=2048,
+    )
     rng = random.Random(0)
     prompt = [rng.randrange(1000, 40000) for _ in range(args.prompt_len)]
     layer_args = capture_layer_args(llm, prompt)  # also caches the prompt
