@@ -70,10 +70,9 @@ class Sampler:
         """(n,) sampled token ids on the logits' device. Does not mutate `logits`."""
         if any(_needs_processing(r) for r in rows):
             logits = self._process(logits.clone(), rows)
-        device = logits.device
-        greedy = torch.tensor([r.params.greedy for r in rows], device=device)
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax_rows(logits)
         if not all(r.params.greedy for r in rows):
+            greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
             sampled = self._sample(logits, rows)
             tokens = torch.where(greedy, tokens, sampled)
         return tokens
@@ -122,7 +121,16 @@ class Sampler:
                 gen = torch.Generator().manual_seed(step_seed(row.params.seed, row))
                 seeded = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=gen)
                 noise[i] = seeded.to(device)
-        return (probs / noise).argmax(dim=-1)
+        return argmax_rows(probs / noise)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """(n,) int64: each row's argmax, the first one on ties or NaN, as torch's. On the CPU
+    numpy's vectorized argmax does a 49k-token row in 5 us, where torch's took 55 (one
+    thread) to 120 (two)."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
+        return torch.from_numpy(x.numpy().argmax(axis=-1))
+    return x.argmax(dim=-1)
 
 
 def _needs_processing(row: SamplingRow) -> bool:

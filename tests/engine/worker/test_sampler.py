@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, EngineHooks, SamplingParams
-from engine.worker.sampler import Sampler, SamplingRow, logprob_tensors
+from engine.worker.sampler import Sampler, SamplingRow, argmax_rows, logprob_tensors
 from tests.tiny_models import make_tiny_model
 
 
@@ -316,3 +316,20 @@ def test_every_tensor_lives_on_the_logits_device(params: SamplingParams) -> None
     tensors = logprob_tensors(torch.log_softmax(logits, -1), tokens, [3, None])
     for tensor in (tensors.chosen, tensors.ranks, tensors.top_values, tensors.top_ids):
         assert tensor is not None and tensor.device.type == "meta"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_argmax_rows_is_torchs_argmax(dtype: torch.dtype) -> None:
+    """Ties and NaNs pick the first, as torch's argmax does, also on a strided slice (the
+    sampler cuts padded vocab rows to the real vocabulary)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 50, (9, 1000), generator=gen).to(dtype)  # many ties
+    x[3, [10, 500, 700]] = float("nan")
+    x[5] = float("-inf")
+    x[6, 999] = float("inf")
+    view = x[:, :997]
+    assert not view.is_contiguous()
+    for rows in (x, view, x[:1]):
+        got = argmax_rows(rows)
+        assert got.dtype == torch.int64 and torch.equal(got, rows.argmax(dim=-1))
+    assert argmax_rows(x)[3] == 10
