@@ -17,6 +17,8 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -24,6 +26,34 @@
 
 namespace pagedserve {
 namespace {
+
+// The wall time the layers spend in their linears and attention, while asked for
+// (kernel_time_ns): how much of a real step its kernels take, in place, with the caches as
+// the step leaves them (benchmarks/decode_breakdown.py). Off, it costs one relaxed load.
+std::atomic<bool> g_time_kernels{false};
+std::atomic<int64_t> g_kernel_ns{0};
+
+class KernelTimer {
+ public:
+  KernelTimer() : on_(g_time_kernels.load(std::memory_order_relaxed)) {
+    if (on_) start_ = std::chrono::steady_clock::now();
+  }
+  ~KernelTimer() {
+    if (!on_) return;
+    const auto spent = std::chrono::steady_clock::now() - start_;
+    g_kernel_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(spent).count();
+  }
+
+ private:
+  bool on_;
+  std::chrono::steady_clock::time_point start_;
+};
+
+// Starts (or stops) the count; returns the nanoseconds counted since the last call.
+int64_t kernel_time_ns(bool enable) {
+  g_time_kernels = enable;
+  return g_kernel_ns.exchange(0);
+}
 
 // How a linear layer's weight is stored (engine/models/layers.py's Linear).
 enum LinearKind : int64_t { kDense = 0, kPacked = 1, kQuantized = 2, kTiled = 3 };
@@ -158,6 +188,7 @@ at::Tensor packed_linear(const at::Tensor& x, const LinearWeights& w) {
 
 // layers.Linear.forward for 2-D x: the same kernel and the same tensors.
 at::Tensor linear(const at::Tensor& x, const LinearWeights& w) {
+  const KernelTimer timer;
   if (w.kind == kPacked) return packed_linear(x, w);
   if (w.kind == kDense) return at::linear(x, w.weight, w.bias);
   at::Tensor y;
@@ -239,8 +270,11 @@ at::Tensor attention(const LayerWeights& w, const at::Tensor& h, const at::Tenso
   write_kv(k_cache, v_cache, slot_mapping, k, v);
   if (q.stride(-1) != 1 || q.stride(-2) != D) q = q.contiguous();
   at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);  // (T, heads, D)
-  paged_attention_op().call(out, q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices,
-                            kv_last_page_len, scale, std::nullopt);
+  {
+    const KernelTimer timer;
+    paged_attention_op().call(out, q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices,
+                              kv_last_page_len, scale, std::nullopt);
+  }
   return linear(out.reshape({T, q_size}), *w.o_proj);
 }
 
@@ -295,6 +329,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
       "Tensor k_cache, Tensor v_cache, Tensor slot_mapping, Tensor qo_indptr, "
       "Tensor kv_indptr, Tensor kv_indices, Tensor kv_last_page_len, float scale) "
       "-> (Tensor, Tensor)");
+  m.def("kernel_time_ns(bool enable) -> int", &pagedserve::kernel_time_ns);
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
