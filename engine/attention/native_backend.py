@@ -33,6 +33,8 @@ class NativeCpuAttentionBackend:
         self._slot_mapping = torch.empty(0, dtype=torch.long)
         self._metadata: tuple[torch.Tensor, ...] = ()  # qo_indptr, kv_indptr, kv_indices, last
         self._layer_caches = [tuple(kv_cache[i].unbind(0)) for i in range(kv_cache.shape[0])]
+        self._k_caches = [k for k, _ in self._layer_caches]
+        self._v_caches = [v for _, v in self._layer_caches]
 
     def plan(self, metadata: AttentionMetadata) -> None:
         """Mutates the backend: keeps this step's slot mapping and CSR page table (int32
@@ -50,6 +52,12 @@ class NativeCpuAttentionBackend:
         K and V caches, the step's slot mapping and page table, and the scale (see
         engine/models/fused_layers.py, which runs this backend's computation in C++)."""
         return (*self._layer_caches[layer_idx], self._slot_mapping, *self._metadata, self.scale)
+
+    def stack_args(self) -> tuple[list[torch.Tensor] | torch.Tensor | float, ...]:
+        """What pagedserve::decoder_layers needs of this backend for every layer at once:
+        the layers' K caches and V caches, the step's slot mapping and page table, and the
+        scale."""
+        return (self._k_caches, self._v_caches, self._slot_mapping, *self._metadata, self.scale)
 
     def forward(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

@@ -11,7 +11,8 @@ are packed once into a TorchScript object that holds the module's own tensors (n
 from __future__ import annotations
 
 import functools
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, overload
 
 import torch
 
@@ -63,16 +64,42 @@ def layer_weights(layer: Any, dense: bool = False) -> Any:
     )
 
 
+class FusedLayers(Sequence[Any]):
+    """A model's layers as LayerWeights, in order, and the same layers as one DecoderStack:
+    with a backend that has `stack_args`, a step crosses into C++ once (decoder_layers)
+    rather than once a layer."""
+
+    def __init__(self, weights: list[Any]) -> None:
+        self.weights = weights
+        self.stack = torch.classes.pagedserve.DecoderStack()
+        for layer in weights:
+            self.stack.append(layer)
+
+    def __len__(self) -> int:
+        return len(self.weights)
+
+    @overload
+    def __getitem__(self, index: int) -> Any: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Any]: ...
+    def __getitem__(self, index: int | slice) -> Any:
+        return self.weights[index]
+
+
 def fused_layers_available(weight: torch.Tensor) -> bool:
     """Whether layers whose weights live like `weight` can run as native ops."""
     return weight.device.type == "cpu" and native_kernels().available
 
 
 def run_fused_layers(
-    layers: list[Any], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Any
+    layers: Sequence[Any], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Any
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The decoder layers' loop of llama.DecoderModel.forward, one native op per layer:
-    (the last layer's MLP output, the residual before it)."""
+    """The decoder layers' loop of llama.DecoderModel.forward, in one native op when the
+    backend hands over every layer's caches at once, else one native op per layer: (the last
+    layer's MLP output, the residual before it)."""
+    stack_args = getattr(attn, "stack_args", None)
+    if isinstance(layers, FusedLayers) and len(layers) and stack_args is not None:
+        return _decoder_layers_op()(x, layers.stack, cos, sin, *stack_args())
     decoder_layer = _decoder_layer_op()
     residual = None
     for i, weights in enumerate(layers):
@@ -88,4 +115,11 @@ def _decoder_layer_op() -> Any:
     callable (`_op`, what it calls after that scan) does not. Where a torch lacks it, the
     packet."""
     packet = torch.ops.pagedserve.decoder_layer
+    return getattr(packet, "_op", packet)
+
+
+@functools.cache
+def _decoder_layers_op() -> Any:
+    """pagedserve::decoder_layers' C++ entry point, for the same reason as _decoder_layer_op."""
+    packet = torch.ops.pagedserve.decoder_layers
     return getattr(packet, "_op", packet)

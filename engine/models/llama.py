@@ -7,15 +7,18 @@ attention backend, passed in explicitly, knows which token belongs to which requ
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionBackend
 from engine.models.arch import ModelArch
-from engine.models.fused_layers import fused_layers_available, layer_weights, run_fused_layers
+from engine.models.fused_layers import (
+    FusedLayers,
+    fused_layers_available,
+    layer_weights,
+    run_fused_layers,
+)
 from engine.models.layers import (
     Linear,
     RMSNorm,
@@ -124,8 +127,8 @@ class DecoderModel(nn.Module):
         self.quantized_head: TiledWeight | None = None
         # The layers as native ops (engine/models/fused_layers.py), when they can run so;
         # with dense copies of quantized weights, a second set for steps of many tokens.
-        self.fused_layers: list[Any] | None = None
-        self.fused_dense_layers: list[Any] | None = None
+        self.fused_layers: FusedLayers | None = None
+        self.fused_dense_layers: FusedLayers | None = None
 
     def quantize_embedding(self, weight: QuantizedWeight) -> None:
         """Looks tokens up in `weight` from now on (the float table is dropped)."""
@@ -164,9 +167,11 @@ class DecoderModel(nn.Module):
             if layer.weight is None or self.quantized_head is not None:
                 self.dense_head = layer
         if fused_layers_available(self.norm.weight):
-            self.fused_layers = [layer_weights(layer) for layer in self.layers]
+            self.fused_layers = FusedLayers([layer_weights(layer) for layer in self.layers])
             if dense_copy:
-                self.fused_dense_layers = [layer_weights(layer, True) for layer in self.layers]
+                self.fused_dense_layers = FusedLayers(
+                    [layer_weights(layer, True) for layer in self.layers]
+                )
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(num_tokens,) -> (num_tokens, hidden_size) in the model's dtype."""

@@ -62,6 +62,8 @@ class _TimedBackend:
         # its Python layers, and a profile would time another path than the one it serves.
         if hasattr(inner, "layer_args"):
             self.layer_args = inner.layer_args
+        if hasattr(inner, "stack_args"):
+            self.stack_args = inner.stack_args
 
     def plan(self, metadata: AttentionMetadata) -> None:
         with self.profiler.section("attention_plan"):

@@ -23,6 +23,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <vector>
 
 namespace pagedserve {
 namespace {
@@ -92,6 +93,14 @@ struct LayerWeights : torch::CustomClassHolder {
         down(std::move(down)), input_norm(std::move(input_norm)),
         post_norm(std::move(post_norm)), q_norm(std::move(q_norm)), k_norm(std::move(k_norm)),
         eps(eps), num_heads(num_heads), num_kv_heads(num_kv_heads), head_dim(head_dim) {}
+};
+
+// A model's layers in order, for decoder_layers: built once at load time.
+struct DecoderStack : torch::CustomClassHolder {
+  std::vector<c10::intrusive_ptr<LayerWeights>> layers;
+
+  void append(c10::intrusive_ptr<LayerWeights> layer) { layers.push_back(std::move(layer)); }
+  int64_t size() const { return static_cast<int64_t>(layers.size()); }
 };
 
 using OptString = std::optional<std::string>;
@@ -309,6 +318,31 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
   return {linear(act, *w.down), res};
 }
 
+// Every layer of the stack in turn, as decoder_layer each: one call from Python a step, not
+// one a layer (a call with thirteen arguments crossed into C++ in about 27 us, 0.8 ms of a
+// single-stream decode step over 30 layers). k_caches[i] and v_caches[i] are layer i's.
+std::tuple<at::Tensor, at::Tensor> decoder_layers(
+    const at::Tensor& x, const c10::intrusive_ptr<DecoderStack>& stack, const at::Tensor& cos,
+    const at::Tensor& sin, const std::vector<at::Tensor>& k_caches,
+    const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping,
+    const at::Tensor& qo_indptr, const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
+    const at::Tensor& kv_last_page_len, double scale) {
+  const auto& layers = stack->layers;
+  TORCH_CHECK(!layers.empty(), "decoder_layers: the stack has no layers");
+  TORCH_CHECK(k_caches.size() == layers.size() && v_caches.size() == layers.size(),
+              "decoder_layers: one K and one V cache a layer");
+  at::Tensor hidden = x;
+  std::optional<at::Tensor> residual;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    auto [out, res] = decoder_layer(hidden, residual, layers[i], cos, sin, k_caches[i],
+                                    v_caches[i], slot_mapping, qo_indptr, kv_indptr,
+                                    kv_indices, kv_last_page_len, scale);
+    hidden = std::move(out);
+    residual = std::move(res);
+  }
+  return {hidden, *residual};
+}
+
 }  // namespace
 }  // namespace pagedserve
 
@@ -329,9 +363,19 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
       "Tensor k_cache, Tensor v_cache, Tensor slot_mapping, Tensor qo_indptr, "
       "Tensor kv_indptr, Tensor kv_indices, Tensor kv_last_page_len, float scale) "
       "-> (Tensor, Tensor)");
+  m.class_<pagedserve::DecoderStack>("DecoderStack")
+      .def(torch::init<>())
+      .def("append", &pagedserve::DecoderStack::append)
+      .def("size", &pagedserve::DecoderStack::size);
+  m.def(
+      "decoder_layers(Tensor x, __torch__.torch.classes.pagedserve.DecoderStack stack, "
+      "Tensor cos, Tensor sin, Tensor[] k_caches, Tensor[] v_caches, Tensor slot_mapping, "
+      "Tensor qo_indptr, Tensor kv_indptr, Tensor kv_indices, Tensor kv_last_page_len, "
+      "float scale) -> (Tensor, Tensor)");
   m.def("kernel_time_ns(bool enable) -> int", &pagedserve::kernel_time_ns);
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("decoder_layer", &pagedserve::decoder_layer);
+  m.impl("decoder_layers", &pagedserve::decoder_layers);
 }

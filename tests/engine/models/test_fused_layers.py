@@ -1,5 +1,6 @@
 """The decoder layers as native ops give bit-identical results to the Python layers: the same
-kernels on the same tensors, only the dispatch moved to C++."""
+kernels on the same tensors, only the dispatch moved to C++. With the cpu-native backend all
+the layers run in one native call (decoder_layers), else one a layer (decoder_layer)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from engine.attention.backend import allocate_kv_cache
 from engine.attention.metadata import build_attention_metadata
 from engine.attention.native_backend import NativeCpuAttentionBackend
 from engine.config import QuantConfig
+from engine.models import fused_layers
 from engine.models.llama import DecoderModel
 from engine.models.loader import load_model
 from tests.tiny_models import make_tiny_model
@@ -21,8 +23,11 @@ COMPUTED, NEW = [37, 16, 0], [1, 9, 20]
 TABLES = [[3, 0, 7], [5, 2], [1, 4]]
 
 
-def forward(model: DecoderModel, fused: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hidden states, KV cache after the step), from a random KV history."""
+def forward(
+    model: DecoderModel, fused: bool, seed: int, stacked: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden states, KV cache after the step), from a random KV history; `stacked` False
+    hides the backend's stack_args, so the native layers run one call a layer."""
     arch, dtype = model.arch, model.norm.weight.dtype
     cache = allocate_kv_cache(
         arch.num_layers, 8, 16, arch.num_kv_heads, arch.head_dim, dtype, "cpu"
@@ -31,6 +36,8 @@ def forward(model: DecoderModel, fused: bool, seed: int) -> tuple[torch.Tensor, 
     backend = NativeCpuAttentionBackend(cache, arch.num_heads, arch.head_dim**-0.5)
     md = build_attention_metadata(COMPUTED, NEW, TABLES, 16)
     backend.plan(md)
+    if not stacked:
+        backend.stack_args = None  # type: ignore[assignment]
     ids = torch.randint(3, 256, (md.num_tokens,), generator=torch.Generator().manual_seed(seed))
     layers, dense_layers = model.fused_layers, model.fused_dense_layers
     if not fused:
@@ -79,3 +86,27 @@ def test_native_layer_refuses_a_slot_outside_the_cache(tmp_path: Path) -> None:
     ids = torch.randint(3, 256, (md.num_tokens,), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode(), pytest.raises(RuntimeError, match="outside the cache"):
         model(ids, md.positions, backend)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_native_call_runs_every_layer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """decoder_layers gives what decoder_layer called once a layer gives, bit for bit, and a
+    step with the cpu-native backend makes one native call for all the layers."""
+    model, _ = load_model(make_tiny_model("llama", tmp_path), dtype, "cpu", QuantConfig())
+    calls = {"decoder_layers": 0, "decoder_layer": 0}
+    for name in calls:
+        op = getattr(fused_layers, f"_{name}_op")()
+
+        def counted(*args: object, name: str = name, op: object = op) -> object:
+            calls[name] += 1
+            return op(*args)  # type: ignore[operator]
+
+        monkeypatch.setattr(fused_layers, f"_{name}_op", lambda counted=counted: counted)
+    stacked_hidden, stacked_cache = forward(model, fused=True, seed=2)
+    assert calls == {"decoder_layers": 1, "decoder_layer": 0}
+    layered_hidden, layered_cache = forward(model, fused=True, seed=2, stacked=False)
+    assert calls == {"decoder_layers": 1, "decoder_layer": model.arch.num_layers}
+    assert torch.equal(stacked_hidden, layered_hidden)
+    assert torch.equal(stacked_cache, layered_cache)
