@@ -132,9 +132,14 @@ class ModelRunner:
         self, hidden: torch.Tensor, host: StepMetadata, batch: StepBatch
     ) -> ModelRunnerOutput:
         rows = batch.sample_rows
-        last_tokens = host.qo_indptr[1:][rows].astype(np.int64) - 1
         with self.profiler.section("logits"):
-            last = hidden[torch.from_numpy(last_tokens).to(self.device)]
+            if len(rows) == len(hidden):
+                # Every token samples, so each request has one, in batch order (a decode
+                # step): the hidden states are already the rows to sample from.
+                last = hidden
+            else:
+                last_tokens = host.qo_indptr[1:][rows].astype(np.int64) - 1
+                last = hidden[torch.from_numpy(last_tokens).to(self.device)]
             logits = self.model.compute_logits(last)
         states = [batch.requests[r] for r in rows]
         with self.profiler.section("grammar"):
