@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 from engine.attention.backend import allocate_kv_cache
-from engine.attention.metadata import build_attention_metadata
+from engine.attention.metadata import (
+    build_attention_metadata,
+    decode_step_metadata,
+    general_step_metadata,
+)
 from engine.attention.torch_backend import TorchAttentionBackend
 
 
@@ -28,6 +34,28 @@ def test_metadata_ignores_blocks_beyond_this_step() -> None:
     assert md.kv_indices.tolist() == [5]
     assert md.kv_last_page_len.tolist() == [4]
     assert md.slot_mapping.tolist() == [23]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_decode_metadata_equals_the_general_path(seed: int) -> None:
+    """The decode steps' own builder gives every array of the general one, dtype and all:
+    random histories (a page boundary included), tables with blocks beyond the step."""
+    rng = np.random.default_rng(seed)
+    n, block = int(rng.integers(1, 40)), int(rng.choice([1, 4, 16]))
+    computed = [int(c) for c in rng.integers(0, 300, n)]
+    computed[0] = 2 * block - 1  # the new token starts a fresh page
+    tables = [
+        [int(b) for b in rng.integers(0, 5000, -(-(c + 1) // block) + int(rng.integers(0, 3)))]
+        for c in computed
+    ]
+    decode = decode_step_metadata(computed, tables, block)
+    general = general_step_metadata(computed, [1] * n, tables, block)
+    assert decode.block_size == general.block_size
+    for field in dataclasses.fields(general):
+        if field.name != "block_size":
+            ours, theirs = getattr(decode, field.name), getattr(general, field.name)
+            assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, field.name
+            assert np.array_equal(ours, theirs), field.name
 
 
 def dense_reference(
