@@ -47,12 +47,14 @@ def best_ms(fn: Callable[[], Any], repeats: int) -> float:
 
 
 def capture_layer_args(llm: LLM, prompt: list[int]) -> list[tuple[Any, ...]]:
-    """The attention arguments of each native decoder layer in one decode step."""
+    """Each native decoder layer's attention arguments in one decode step: its K and V
+    caches, the step's slot mapping and page table, the scale."""
     captured: list[list[tuple[Any, ...]]] = []
     run = llama.run_fused_layers
 
-    def spy(layers: list[Any], x: torch.Tensor, cos: Any, sin: Any, attn: Any) -> Any:
-        captured.append([attn.layer_args(i) for i in range(len(layers))])
+    def spy(layers: Any, x: torch.Tensor, cos: Any, sin: Any, attn: Any) -> Any:
+        k_caches, v_caches, *shared = attn.stack_args()
+        captured.append([(k, v, *shared) for k, v in zip(k_caches, v_caches, strict=True)])
         return run(layers, x, cos, sin, attn)
 
     llama.run_fused_layers = spy

@@ -32,9 +32,8 @@ class NativeCpuAttentionBackend:
         self._kernel = torch.ops.pagedserve.paged_attention
         self._slot_mapping = torch.empty(0, dtype=torch.long)
         self._metadata: tuple[torch.Tensor, ...] = ()  # qo_indptr, kv_indptr, kv_indices, last
-        self._layer_caches = [tuple(kv_cache[i].unbind(0)) for i in range(kv_cache.shape[0])]
-        self._k_caches = [k for k, _ in self._layer_caches]
-        self._v_caches = [v for _, v in self._layer_caches]
+        self._k_caches = [kv_cache[i, 0] for i in range(kv_cache.shape[0])]
+        self._v_caches = [kv_cache[i, 1] for i in range(kv_cache.shape[0])]
 
     def plan(self, metadata: AttentionMetadata) -> None:
         """Mutates the backend: keeps this step's slot mapping and CSR page table (int32
@@ -46,12 +45,6 @@ class NativeCpuAttentionBackend:
             metadata.kv_indices,
             metadata.kv_last_page_len,
         )
-
-    def layer_args(self, layer_idx: int) -> tuple[torch.Tensor | float, ...]:
-        """What pagedserve::decoder_layer needs of this backend for one layer: the layer's
-        K and V caches, the step's slot mapping and page table, and the scale (see
-        engine/models/fused_layers.py, which runs this backend's computation in C++)."""
-        return (*self._layer_caches[layer_idx], self._slot_mapping, *self._metadata, self.scale)
 
     def stack_args(self) -> tuple[list[torch.Tensor] | torch.Tensor | float, ...]:
         """What pagedserve::decoder_layers needs of this backend for every layer at once:

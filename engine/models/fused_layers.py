@@ -1,18 +1,18 @@
-"""Decoder layers as single native ops on the CPU (engine/ops/csrc/decoder_ops.cpp).
+"""The decoder layers as one native op on the CPU (engine/ops/csrc/decoder_ops.cpp).
 
 The Python layer (llama.DecoderLayer) makes dozens of small torch calls per layer, each a
 few microseconds of dispatch: at one token per step that rivals the arithmetic. The native
-op makes the same calls, to the same kernels with the same tensors, from C++, so its output
-is bit-identical; it needs the native kernels and the cpu-native attention backend (whose
-`layer_args` hands it the layer's caches and the step's page table). Each layer's weights
-are packed once into a TorchScript object that holds the module's own tensors (no copy).
+op makes the same calls, to the same kernels with the same tensors, from C++, for every
+layer in one call, so its output is bit-identical; it needs the native kernels and the
+cpu-native attention backend (whose `stack_args` hands it every layer's caches and the
+step's page table). Each layer's weights are packed once into a TorchScript object that
+holds the module's own tensors (no copy), and the layers into one DecoderStack.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from typing import Any, overload
+from typing import Any
 
 import torch
 
@@ -64,26 +64,17 @@ def layer_weights(layer: Any, dense: bool = False) -> Any:
     )
 
 
-class FusedLayers(Sequence[Any]):
-    """A model's layers as LayerWeights, in order, and the same layers as one DecoderStack:
-    with a backend that has `stack_args`, a step crosses into C++ once (decoder_layers)
-    rather than once a layer."""
+class FusedLayers:
+    """A model's layers (LayerWeights, in order) as one DecoderStack."""
 
     def __init__(self, weights: list[Any]) -> None:
-        self.weights = weights
         self.stack = torch.classes.pagedserve.DecoderStack()
         for layer in weights:
             self.stack.append(layer)
+        self.num_layers = len(weights)
 
     def __len__(self) -> int:
-        return len(self.weights)
-
-    @overload
-    def __getitem__(self, index: int) -> Any: ...
-    @overload
-    def __getitem__(self, index: slice) -> list[Any]: ...
-    def __getitem__(self, index: int | slice) -> Any:
-        return self.weights[index]
+        return self.num_layers
 
 
 def fused_layers_available(weight: torch.Tensor) -> bool:
@@ -92,34 +83,18 @@ def fused_layers_available(weight: torch.Tensor) -> bool:
 
 
 def run_fused_layers(
-    layers: Sequence[Any], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Any
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The decoder layers' loop of llama.DecoderModel.forward, in one native op when the
-    backend hands over every layer's caches at once, else one native op per layer: (the last
+    layers: FusedLayers, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoder layers' loop of llama.DecoderModel.forward, as one native op: (the last
     layer's MLP output, the residual before it)."""
-    stack_args = getattr(attn, "stack_args", None)
-    if isinstance(layers, FusedLayers) and len(layers) and stack_args is not None:
-        return _decoder_layers_op()(x, layers.stack, cos, sin, *stack_args())
-    decoder_layer = _decoder_layer_op()
-    residual = None
-    for i, weights in enumerate(layers):
-        x, residual = decoder_layer(x, residual, weights, cos, sin, *attn.layer_args(i))
-    return x, residual
-
-
-@functools.cache
-def _decoder_layer_op() -> Any:
-    """pagedserve::decoder_layer's C++ entry point. Calling an op packet whose schema takes
-    a custom class first scans every argument for torch.compile's FakeScriptObject (8 us a
-    call here, a quarter of a millisecond a decode step over 30 layers); the packet's own
-    callable (`_op`, what it calls after that scan) does not. Where a torch lacks it, the
-    packet."""
-    packet = torch.ops.pagedserve.decoder_layer
-    return getattr(packet, "_op", packet)
+    return _decoder_layers_op()(x, layers.stack, cos, sin, *attn.stack_args())
 
 
 @functools.cache
 def _decoder_layers_op() -> Any:
-    """pagedserve::decoder_layers' C++ entry point, for the same reason as _decoder_layer_op."""
+    """pagedserve::decoder_layers' C++ entry point. Calling an op packet whose schema takes
+    a custom class first scans every argument for torch.compile's FakeScriptObject (8 us a
+    call here); the packet's own callable (`_op`, what it calls after that scan) does not.
+    Where a torch lacks it, the packet."""
     packet = torch.ops.pagedserve.decoder_layers
     return getattr(packet, "_op", packet)

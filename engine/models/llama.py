@@ -189,7 +189,7 @@ class DecoderModel(nn.Module):
         fused = self.fused_layers
         if self.fused_dense_layers is not None and x.shape[0] > DENSE_COPY_ROWS:
             fused = self.fused_dense_layers
-        if fused is not None and hasattr(attn, "layer_args"):
+        if fused and hasattr(attn, "stack_args"):
             x, residual = run_fused_layers(fused, x, cos, sin, attn)
         else:
             for layer in self.layers:

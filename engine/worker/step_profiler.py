@@ -60,8 +60,6 @@ class _TimedBackend:
         self.name = inner.name
         # The native decoder layers' arguments: without them the model would fall back to
         # its Python layers, and a profile would time another path than the one it serves.
-        if hasattr(inner, "layer_args"):
-            self.layer_args = inner.layer_args
         if hasattr(inner, "stack_args"):
             self.stack_args = inner.stack_args
 

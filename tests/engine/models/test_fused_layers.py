@@ -1,6 +1,5 @@
 """The decoder layers as native ops give bit-identical results to the Python layers: the same
-kernels on the same tensors, only the dispatch moved to C++. With the cpu-native backend all
-the layers run in one native call (decoder_layers), else one a layer (decoder_layer)."""
+kernels on the same tensors, only the dispatch moved to C++, all the layers in one call."""
 
 from __future__ import annotations
 
@@ -23,11 +22,8 @@ COMPUTED, NEW = [37, 16, 0], [1, 9, 20]
 TABLES = [[3, 0, 7], [5, 2], [1, 4]]
 
 
-def forward(
-    model: DecoderModel, fused: bool, seed: int, stacked: bool = True
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hidden states, KV cache after the step), from a random KV history; `stacked` False
-    hides the backend's stack_args, so the native layers run one call a layer."""
+def forward(model: DecoderModel, fused: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden states, KV cache after the step), from a random KV history."""
     arch, dtype = model.arch, model.norm.weight.dtype
     cache = allocate_kv_cache(
         arch.num_layers, 8, 16, arch.num_kv_heads, arch.head_dim, dtype, "cpu"
@@ -36,8 +32,6 @@ def forward(
     backend = NativeCpuAttentionBackend(cache, arch.num_heads, arch.head_dim**-0.5)
     md = build_attention_metadata(COMPUTED, NEW, TABLES, 16)
     backend.plan(md)
-    if not stacked:
-        backend.stack_args = None  # type: ignore[assignment]
     ids = torch.randint(3, 256, (md.num_tokens,), generator=torch.Generator().manual_seed(seed))
     layers, dense_layers = model.fused_layers, model.fused_dense_layers
     if not fused:
@@ -88,25 +82,15 @@ def test_native_layer_refuses_a_slot_outside_the_cache(tmp_path: Path) -> None:
         model(ids, md.positions, backend)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_one_native_call_runs_every_layer(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
-) -> None:
-    """decoder_layers gives what decoder_layer called once a layer gives, bit for bit, and a
-    step with the cpu-native backend makes one native call for all the layers."""
-    model, _ = load_model(make_tiny_model("llama", tmp_path), dtype, "cpu", QuantConfig())
-    calls = {"decoder_layers": 0, "decoder_layer": 0}
-    for name in calls:
-        op = getattr(fused_layers, f"_{name}_op")()
+def test_one_native_call_runs_every_layer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, _ = load_model(make_tiny_model("llama", tmp_path), torch.float32, "cpu", QuantConfig())
+    assert model.arch.num_layers > 1
+    op, calls = fused_layers._decoder_layers_op(), []
 
-        def counted(*args: object, name: str = name, op: object = op) -> object:
-            calls[name] += 1
-            return op(*args)  # type: ignore[operator]
+    def counted(*args: object) -> object:
+        calls.append(args)
+        return op(*args)
 
-        monkeypatch.setattr(fused_layers, f"_{name}_op", lambda counted=counted: counted)
-    stacked_hidden, stacked_cache = forward(model, fused=True, seed=2)
-    assert calls == {"decoder_layers": 1, "decoder_layer": 0}
-    layered_hidden, layered_cache = forward(model, fused=True, seed=2, stacked=False)
-    assert calls == {"decoder_layers": 1, "decoder_layer": model.arch.num_layers}
-    assert torch.equal(stacked_hidden, layered_hidden)
-    assert torch.equal(stacked_cache, layered_cache)
+    monkeypatch.setattr(fused_layers, "_decoder_layers_op", lambda: counted)
+    forward(model, fused=True, seed=2)
+    assert len(calls) == 1

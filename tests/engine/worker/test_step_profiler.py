@@ -56,16 +56,16 @@ class _Backend:
 
 
 class _NativeBackend(_Backend):
-    def layer_args(self, layer_idx: int) -> tuple[int, ...]:
-        return (layer_idx, 7)
+    def stack_args(self) -> tuple[int, ...]:
+        return (3, 7)
 
 
 def test_the_timed_backend_keeps_the_native_layers_arguments() -> None:
-    """Without layer_args the model falls back to its Python layers: a profile would time
+    """Without stack_args the model falls back to its Python layers: a profile would time
     another path than the one served."""
     profiler = StepProfiler(True)
-    assert profiler.wrap_backend(_NativeBackend()).layer_args(3) == (3, 7)  # type: ignore[arg-type]
-    assert not hasattr(profiler.wrap_backend(_Backend()), "layer_args")  # type: ignore[arg-type]
+    assert profiler.wrap_backend(_NativeBackend()).stack_args() == (3, 7)  # type: ignore[arg-type]
+    assert not hasattr(profiler.wrap_backend(_Backend()), "stack_args")  # type: ignore[arg-type]
 
 
 def test_a_profiled_engine_runs_the_native_layers_and_times_each_section(tmp_path: Path) -> None:
