@@ -10,8 +10,9 @@ between generating `--steps` + 1 tokens and 1 token (so only decode steps count)
 kernels are timed two ways:
 
 - in the step: the native decoder layers count the wall time of their linears and attention
-  (pagedserve::kernel_time_ns), and the LM head is timed around compute_logits, in the same
-  runs as the step itself, so with the caches as a real step leaves them;
+  (pagedserve::kernel_time_ns, which also gives attention's share alone), and the LM head is
+  timed around compute_logits, in the same runs as the step itself, so with the caches as a
+  real step leaves them;
 - alone: each layer's four linears and its attention, called from Python with the step's own
   weights and page table, and the LM head, as one loop. This pays a Python dispatch per
   kernel (about 150 of them) and runs with the caches warm from the previous pass, so it is
@@ -136,16 +137,17 @@ def main() -> None:
 
     model.compute_logits = timed_head
 
-    def generate(n: int) -> tuple[float, float, float]:
-        """(wall, layer kernels, LM head) seconds of generating n tokens."""
+    def generate(n: int) -> tuple[float, float, float, float]:
+        """(wall, layer kernels, of them attention, LM head) seconds of generating n tokens."""
         torch.ops.pagedserve.kernel_time_ns(True)
         head_s[0] = 0.0
         start = time.perf_counter()
         llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
         wall = time.perf_counter() - start
-        return wall, 1e-9 * torch.ops.pagedserve.kernel_time_ns(False), head_s[0]
+        kernels_ns, attention_ns = torch.ops.pagedserve.kernel_time_ns(False)
+        return wall, 1e-9 * kernels_ns, 1e-9 * attention_ns, head_s[0]
 
-    best: tuple[float, float, float] | None = None  # per decode step, ms
+    best: tuple[float, float, float, float] | None = None  # per decode step, ms
     kernel_ms = float("inf")
     for _ in range(args.rounds):
         one = min((generate(1) for _ in range(2)), key=lambda r: r[0])
@@ -155,12 +157,13 @@ def main() -> None:
             best = step  # type: ignore[assignment]
         kernel_ms = min(kernel_ms, best_ms(kernels, args.steps))
     assert best is not None
-    step_ms, layers_ms, head_ms = best
+    step_ms, layers_ms, attention_ms, head_ms = best
     result = {
         "quantization": args.quantization,
         "quantize_lm_head": args.quantize_lm_head,
         "decode_step_ms": step_ms,
         "in_step_layer_kernels_ms": layers_ms,
+        "in_step_attention_ms": attention_ms,
         "in_step_lm_head_ms": head_ms,
         "outside_kernels": 1 - (layers_ms + head_ms) / step_ms,
         "kernels_alone_ms": kernel_ms,
@@ -168,7 +171,8 @@ def main() -> None:
     }
     print(
         f"{args.quantization}: decode step {step_ms:.2f} ms; in it, the layers' linears and "
-        f"attention {layers_ms:.2f} ms and the LM head {head_ms:.2f} ms: "
+        f"attention {layers_ms:.2f} ms (attention {attention_ms:.2f}) and the LM head "
+        f"{head_ms:.2f} ms: "
         f"{100 * result['outside_kernels']:.0f}% outside them (the kernels alone, from "
         f"Python: {kernel_ms:.2f} ms, {100 * result['outside_kernels_alone']:.0f}%)"
     )

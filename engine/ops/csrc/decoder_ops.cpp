@@ -31,30 +31,36 @@ namespace {
 
 // The wall time the layers spend in their linears and attention, while asked for
 // (kernel_time_ns): how much of a real step its kernels take, in place, with the caches as
-// the step leaves them (benchmarks/decode_breakdown.py). Off, it costs one relaxed load.
+// the step leaves them (benchmarks/decode_breakdown.py), and how much of it is attention.
+// Off, it costs one relaxed load.
 std::atomic<bool> g_time_kernels{false};
-std::atomic<int64_t> g_kernel_ns{0};
+std::atomic<int64_t> g_kernel_ns{0}, g_attention_ns{0};
 
 class KernelTimer {
  public:
-  KernelTimer() : on_(g_time_kernels.load(std::memory_order_relaxed)) {
+  explicit KernelTimer(std::atomic<int64_t>* also = nullptr)
+      : on_(g_time_kernels.load(std::memory_order_relaxed)), also_(also) {
     if (on_) start_ = std::chrono::steady_clock::now();
   }
   ~KernelTimer() {
     if (!on_) return;
     const auto spent = std::chrono::steady_clock::now() - start_;
-    g_kernel_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(spent).count();
+    const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(spent).count();
+    g_kernel_ns += ns;
+    if (also_ != nullptr) *also_ += ns;
   }
 
  private:
   bool on_;
+  std::atomic<int64_t>* also_;
   std::chrono::steady_clock::time_point start_;
 };
 
-// Starts (or stops) the count; returns the nanoseconds counted since the last call.
-int64_t kernel_time_ns(bool enable) {
+// Starts (or stops) the count; returns the nanoseconds counted since the last call: all
+// the kernels', and attention's alone.
+std::tuple<int64_t, int64_t> kernel_time_ns(bool enable) {
   g_time_kernels = enable;
-  return g_kernel_ns.exchange(0);
+  return {g_kernel_ns.exchange(0), g_attention_ns.exchange(0)};
 }
 
 // How a linear layer's weight is stored (engine/models/layers.py's Linear).
@@ -281,7 +287,7 @@ at::Tensor attention(const LayerWeights& w, const at::Tensor& h, const at::Tenso
   if (q.stride(-1) != 1 || q.stride(-2) != D) q = q.contiguous();
   at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);  // (T, heads, D)
   {
-    const KernelTimer timer;
+    const KernelTimer timer(&g_attention_ns);
     paged_attention_op().call(out, q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices,
                               kv_last_page_len, scale, std::nullopt);
   }
@@ -367,7 +373,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
       "Tensor cos, Tensor sin, Tensor[] k_caches, Tensor[] v_caches, Tensor slot_mapping, "
       "Tensor qo_indptr, Tensor kv_indptr, Tensor kv_indices, Tensor kv_last_page_len, "
       "float scale) -> (Tensor, Tensor)");
-  m.def("kernel_time_ns(bool enable) -> int", &pagedserve::kernel_time_ns);
+  m.def("kernel_time_ns(bool enable) -> (int, int)", &pagedserve::kernel_time_ns);
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {

@@ -94,3 +94,18 @@ def test_one_native_call_runs_every_layer(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.setattr(fused_layers, "_decoder_layers_op", lambda: counted)
     forward(model, fused=True, seed=2)
     assert len(calls) == 1
+
+
+def test_kernel_time_counts_only_while_asked(tmp_path: Path) -> None:
+    """benchmarks/decode_breakdown.py's in-step counter: the layers' kernels and, within
+    them, attention, counted while enabled and not otherwise."""
+    model, _ = load_model(make_tiny_model("llama", tmp_path), torch.float32, "cpu", QuantConfig())
+    counter = torch.ops.pagedserve.kernel_time_ns
+    counter(False)  # reset
+    forward(model, fused=True, seed=3)
+    assert tuple(counter(True)) == (0, 0)
+    forward(model, fused=True, seed=3)
+    kernels_ns, attention_ns = counter(False)
+    assert 0 < attention_ns < kernels_ns
+    forward(model, fused=True, seed=3)
+    assert tuple(counter(False)) == (0, 0)
