@@ -134,6 +134,17 @@ def test_llama3_rope_scaling(tmp_path: Path) -> None:
     assert engine_tokens(tiny_llm(path), prompts) == hf_greedy(path, prompts, MAX_TOKENS)
 
 
+def test_long_context_decodes(tmp_path: Path) -> None:
+    """Decodes over 1024 keys or more attend in parts, merged after
+    (engine/ops/csrc/attention_ops.cpp), alone and beside each other."""
+    path = make_tiny_model("llama", tmp_path, max_position_embeddings=2048)
+    prompts = make_prompts(5, [1030, 1500])
+    reference = hf_greedy(path, prompts, MAX_TOKENS)
+    llm = tiny_llm(path, num_kv_blocks=200, max_model_len=2048, max_num_batched_tokens=2048)
+    assert engine_tokens(llm, prompts) == reference
+    assert [engine_tokens(llm, [p])[0] for p in prompts] == reference
+
+
 @pytest.mark.slow
 def test_default_model_all_modes(default_model_dir: Path) -> None:
     """The bundled SmolLM2, float32, prompts of 32+ tokens, stopping at EOS like HF."""

@@ -169,7 +169,7 @@ class AttentionItem {
       accumulate_chunk(rows, n);
     }
     for (int64_t hl = 0; hl < H_; ++hl) {
-      if (keys_.shared) {
+      if (keys_.save) {
         save_states(pb_, it_, sp_, M_, s_, it_.kv_head + hl, hl * M_);
       } else {
         write_outputs(hl);

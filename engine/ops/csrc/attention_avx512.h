@@ -243,7 +243,7 @@ class AttentionItem {
       softmax_chunk(rows, c, n);
       accumulate_chunk(rows, n);
     }
-    if (keys_.shared) {
+    if (keys_.save) {
       save_states(pb_, it_, sp_, M_, s_, it_.kv_head);
     } else {
       write_outputs();

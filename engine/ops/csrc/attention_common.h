@@ -107,12 +107,14 @@ struct Prefetcher {
 // The keys begin..end that a work item walks (see WorkItem).
 struct ItemKeys {
   int64_t begin, end;
-  bool shared;  // a shared-prefix item: every row sees every key, and states are saved
+  bool shared;  // a shared-prefix item: every row sees every key
+  bool save;    // the item saves its states (a shared-prefix item or a part) for later
 };
 
 inline ItemKeys keys_of(const Span& sp, const WorkItem& it) {
-  if (it.shared_keys > 0) return {0, it.shared_keys, true};
-  return {it.key_begin, sp.computed + it.row_end, false};
+  if (it.shared_keys > 0) return {0, it.shared_keys, true, true};
+  if (it.part >= 0) return {it.key_begin, it.key_end, false, true};
+  return {it.key_begin, sp.computed + it.row_end, false, false};
 }
 
 // Keys that query row i (of a request with `computed` cached keys) sees in the chunk
@@ -132,13 +134,20 @@ float* saved_state(const Problem<T>& pb, const Span& sp, int64_t i, int64_t head
   return pb.state + ((sp.q_begin + i) * num_heads + head) * (pb.head_dim + 2);
 }
 
+// Where a part of a split decode leaves its state for one head (attention_ops.cpp merges).
+template <typename T>
+float* part_state(const Problem<T>& pb, int64_t split, int64_t head, int64_t part) {
+  const int64_t num_heads = pb.num_kv_heads * pb.group;
+  return pb.parts + ((split * num_heads + head) * kMaxParts + part) * (pb.head_dim + 2);
+}
+
 // Starts the item's M query vectors of KV head kv_head (m = row * group + head in group),
 // in scratch from vector `first` on: fresh, or where a shared-prefix item left them.
 template <typename T>
 void start_states(const Problem<T>& pb, const WorkItem& it, const Span& sp, int64_t M,
                   Scratch& s, int64_t kv_head, int64_t first = 0) {
   const int64_t D = pb.head_dim, G = pb.group;
-  if (it.key_begin == 0) {
+  if (it.key_begin == 0 || it.part >= 0) {
     std::fill_n(s.acc.begin() + first * D, M * D, 0.0f);
     std::fill_n(s.row_max.begin() + first, M, kNegInf);
     std::fill_n(s.row_sum.begin() + first, M, 0.0f);
@@ -152,14 +161,16 @@ void start_states(const Problem<T>& pb, const WorkItem& it, const Span& sp, int6
   }
 }
 
-// What a shared-prefix item leaves for the items that go on from its last key (the M
-// vectors of KV head kv_head, in scratch from vector `first` on).
+// What a shared-prefix item leaves for the items that go on from its last key, or a part
+// for the merge (the M vectors of KV head kv_head, in scratch from vector `first` on).
 template <typename T>
 void save_states(const Problem<T>& pb, const WorkItem& it, const Span& sp, int64_t M,
                  const Scratch& s, int64_t kv_head, int64_t first = 0) {
   const int64_t D = pb.head_dim, G = pb.group;
   for (int64_t m = 0; m < M; ++m) {
-    float* st = saved_state(pb, sp, it.row_begin + m / G, kv_head * G + m % G);
+    const int64_t i = it.row_begin + m / G, head = kv_head * G + m % G;
+    float* st = it.part >= 0 ? part_state(pb, it.split, head, it.part)
+                             : saved_state(pb, sp, i, head);
     std::copy_n(&s.acc[(first + m) * D], D, st);
     st[D] = s.row_max[first + m];
     st[D + 1] = s.row_sum[first + m];

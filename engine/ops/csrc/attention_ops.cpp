@@ -5,9 +5,10 @@
 // head_dim). Its KV length is (pages - 1) * block_size + kv_last_page_len[r], and query i
 // of its q_len rows sits at position kv_len - q_len + i and sees keys 0..kv_len - q_len + i.
 //
-// Work is split into items (request, kv_head, tile of query rows). An item loads each
-// key/value row once, for all `group` query heads of its KV head and all rows of its tile,
-// and streams over the keys 16 at a time with an online softmax in float32:
+// Work is split into items (request, kv_head, tile of query rows; a long decode's keys also
+// into parts, merged at the end: see kSplitMinKeys). An item loads each key/value row once,
+// for all `group` query heads of its KV head and all rows of its tile, and streams over the
+// keys 16 at a time with an online softmax in float32:
 //
 //   for each chunk of 16 keys:   s = q.K^T * scale            (M, 16)   M = rows * group
 //                                m' = max(m, rowmax(s)); p = exp(s - m'); alpha = exp(m - m')
@@ -27,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -46,6 +48,13 @@ constexpr int64_t kMaxChunkBytes = 32 * 1024;
 // Requests per thread from which a decode's KV heads share one item: fewer items are then
 // still enough to keep every thread busy.
 constexpr int64_t kGroupHeadsMinRequests = 4;
+// A decode over at least kSplitMinKeys keys is split into parts of about kPartKeys keys (at
+// most kMaxParts), each an item of its own, and the parts' states are merged after: one
+// long decode then keeps more threads busy than it has KV heads. The split depends only on
+// the request's own length and the block size, never on the batch, so a request gives the
+// same result alone or in a batch (unsplit, the same keys in one pass round differently).
+constexpr int64_t kSplitMinKeys = 1024;
+constexpr int64_t kPartKeys = 512;
 
 // ---------------------------------------------------------------------------------------
 // Planning and threading.
@@ -138,10 +147,27 @@ std::vector<WorkItem> plan_shared_items(const Problem<T>& pb,
   return items;
 }
 
-// Every request's items, each starting after its shared prefix if it has one.
+// A split decode: its query row (in the flat batch) and how many parts its keys are in.
+struct SplitDecode {
+  int64_t row, parts;
+};
+
+// The keys per part of a decode over kv_len keys (whole pages and whole chunks of 16), or
+// 0 if it is not split.
+int64_t part_keys(int64_t kv_len, int64_t block_size) {
+  if (kv_len < kSplitMinKeys) return 0;
+  const int64_t parts = std::min<int64_t>(kMaxParts, kv_len / kPartKeys);
+  const int64_t align = std::lcm<int64_t>(block_size, kChunk);
+  const int64_t keys = ((kv_len + parts - 1) / parts + align - 1) / align * align;
+  return keys < kv_len ? keys : 0;
+}
+
+// Every request's items, each starting after its shared prefix if it has one; a long
+// decode's in parts, which `splits` lists.
 template <typename T>
 std::vector<WorkItem> plan_items(const Problem<T>& pb, int64_t num_reqs,
-                                 const std::vector<SharedPrefix>& runs) {
+                                 const std::vector<SharedPrefix>& runs,
+                                 std::vector<SplitDecode>& splits) {
   std::vector<int64_t> key_begin(num_reqs, 0);
   for (const SharedPrefix& run : runs) {
     std::fill(key_begin.begin() + run.req_begin, key_begin.begin() + run.req_end, run.keys);
@@ -151,6 +177,27 @@ std::vector<WorkItem> plan_items(const Problem<T>& pb, int64_t num_reqs,
   for (int64_t r = 0; r < num_reqs; ++r) {
     const int64_t q_len = pb.qo_indptr[r + 1] - pb.qo_indptr[r];
     const int64_t computed = span_of(pb, r).computed;
+    const int64_t split_keys =
+        q_len == 1 && key_begin[r] == 0 ? part_keys(computed + 1, pb.block_size) : 0;
+    if (split_keys > 0) {
+      const int64_t kv_len = computed + 1, heads = heads_per_item(pb, num_reqs, 1);
+      const auto split = static_cast<int32_t>(splits.size());
+      splits.push_back({pb.qo_indptr[r], (kv_len + split_keys - 1) / split_keys});
+      for (int64_t k0 = 0, part = 0; k0 < kv_len; k0 += split_keys, ++part) {
+        const int64_t k1 = std::min(kv_len, k0 + split_keys);
+        for (int64_t h = 0; h < pb.num_kv_heads; h += heads) {
+          WorkItem item{static_cast<int32_t>(r), static_cast<int32_t>(h), 0, 1};
+          item.kv_heads = static_cast<int32_t>(std::min(heads, pb.num_kv_heads - h));
+          item.key_begin = static_cast<int32_t>(k0);
+          item.key_end = static_cast<int32_t>(k1);
+          item.part = static_cast<int32_t>(part);
+          item.split = split;
+          item.cost = pb.group * heads * (k1 - k0) + 256;
+          items.push_back(item);
+        }
+      }
+      continue;
+    }
     for (int64_t i0 = 0; i0 < q_len; i0 += rows) {
       const int64_t i1 = std::min(q_len, i0 + rows);
       // Key rows visited times query vectors, plus a fixed cost per item.
@@ -195,6 +242,34 @@ void run_items(const Problem<T>& pb, const std::vector<WorkItem>& items, const K
   });
 }
 
+// Each split decode's output from its parts' states: the online softmax's merge, in part
+// order, for every head.
+template <typename T>
+void merge_parts(const Problem<T>& pb, const std::vector<SplitDecode>& splits) {
+  const int64_t D = pb.head_dim, num_heads = pb.num_kv_heads * pb.group;
+  for (size_t s = 0; s < splits.size(); ++s) {
+    const SplitDecode& split = splits[s];
+    for (int64_t head = 0; head < num_heads; ++head) {
+      const float* first = pb.parts + (s * num_heads + head) * kMaxParts * (D + 2);
+      float mx = kNegInf;
+      for (int64_t p = 0; p < split.parts; ++p) mx = std::max(mx, first[p * (D + 2) + D]);
+      float weight[kMaxParts], sum = 0.f;
+      for (int64_t p = 0; p < split.parts; ++p) {
+        const float* st = first + p * (D + 2);
+        weight[p] = std::exp(st[D] - mx);
+        sum += st[D + 1] * weight[p];
+      }
+      const float inv = 1.0f / sum;
+      T* dst = pb.out + split.row * pb.out_stride + head * D;
+      for (int64_t d = 0; d < D; ++d) {
+        float acc = 0.f;
+        for (int64_t p = 0; p < split.parts; ++p) acc += first[p * (D + 2) + d] * weight[p];
+        dst[d] = static_cast<T>(acc * inv);
+      }
+    }
+  }
+}
+
 template <typename T>
 void run(Problem<T> pb, int64_t num_reqs, int64_t num_tokens, const Kernels& kernels) {
   const std::vector<SharedPrefix> runs = find_shared_prefixes(pb, num_reqs);
@@ -206,7 +281,17 @@ void run(Problem<T> pb, int64_t num_reqs, int64_t num_tokens, const Kernels& ker
     pb.state = states.data();
     run_items(pb, plan_shared_items(pb, runs), kernels);
   }
-  run_items(pb, plan_items(pb, num_reqs, runs), kernels);
+  std::vector<SplitDecode> splits;
+  const std::vector<WorkItem> items = plan_items(pb, num_reqs, runs, splits);
+  if (!splits.empty()) {
+    thread_local std::vector<float> parts;
+    const int64_t num_heads = pb.num_kv_heads * pb.group;
+    const size_t size = splits.size() * num_heads * kMaxParts * (pb.head_dim + 2);
+    parts.resize(std::max(parts.size(), size));
+    pb.parts = parts.data();
+  }
+  run_items(pb, items, kernels);
+  merge_parts(pb, splits);
 }
 
 void check_metadata(const at::Tensor& qo_indptr, const at::Tensor& kv_indptr,

@@ -191,7 +191,7 @@ void attention_item(const Problem<T>& pb, const WorkItem& it, Scratch& s) {
       accumulate_values(&s.acc[m * D], alpha, p, vf, cnt, D);
     }
   }
-  if (keys.shared) return save_states(pb, it, sp, M, s, h);
+  if (keys.save) return save_states(pb, it, sp, M, s, h);
   for (int64_t m = 0; m < M; ++m) {
     const int64_t i = it.row_begin + m / G, head = h * G + m % G;
     T* dst = pb.out + (sp.q_begin + i) * pb.out_stride + head * D;

@@ -51,7 +51,13 @@ struct Problem {
   // Online-softmax states that shared-prefix items save and the items after them resume
   // (attention_ops.cpp): per (token, head), acc[head_dim] then the running max and sum.
   float* state;
+  // The states of the long decodes' parts (WorkItem::part), which attention_ops.cpp
+  // merges: per (split decode, head, part), laid out like `state`.
+  float* parts = nullptr;
 };
+
+// Parts a long decode's keys may be split into (WorkItem::part).
+constexpr int64_t kMaxParts = 8;
 
 // Query rows row_begin..row_end (from the request's first row) for the `group` query heads
 // of one KV head, over keys key_begin..: the keys before key_begin were seen by a
@@ -66,10 +72,15 @@ struct Problem {
 // rows are cheap next to reading the keys): a key's rows of all those heads lie side by
 // side in the cache, so reading them together streams each page once. Kernels without a
 // path for that run the heads one after the other.
+//
+// A part (part >= 0) is keys key_begin..key_end of a long decode, whose keys are split so
+// that its few KV heads keep more threads busy: it starts fresh and saves its states in
+// Problem::parts, and the parts are merged after every item has run.
 struct WorkItem {
   int32_t req, kv_head, row_begin, row_end;
   int32_t key_begin = 0, shared_keys = 0;
   int32_t kv_heads = 1;
+  int32_t part = -1, key_end = 0, split = 0;  // split: the decode's index among the split
   int64_t cost = 0;
 };
 

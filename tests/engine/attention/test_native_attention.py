@@ -177,6 +177,42 @@ def test_a_decode_in_a_large_batch_matches_it_alone(
         assert torch.equal(out[q0:q1], run_alone(pc, r, isa)), f"request {r}"
 
 
+# Decodes long enough that their keys are split into parts (from 1024 keys, parts of about
+# 512, at most 8) and merged, beside a short decode and a prefill chunk.
+LONG_DECODES = [(1023, 1), (1500, 1), (40, 1), (4100, 1), (30, 70), (9000, 1)]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("block_size", [8, 16, 48])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (8, 8)])
+def test_long_decodes_in_parts_match_dense_attention(
+    dtype: torch.dtype, block_size: int, heads: int, kv_heads: int, isa: str
+) -> None:
+    pc = make_case(LONG_DECODES, heads, kv_heads, 64, block_size, dtype, seed=8)
+    out = run_native(pc, isa)
+    max_diff = max_diff_to_dense(pc, out)
+    print(f"{isa} {dtype} bs={block_size} {heads}/{kv_heads}: {max_diff:.2e} from dense")
+    assert max_diff < TOLERANCE[dtype]
+    for r in range(len(LONG_DECODES)):
+        q0, q1 = pc.metadata.qo_indptr[r].item(), pc.metadata.qo_indptr[r + 1].item()
+        assert torch.equal(out[q0:q1], run_alone(pc, r, isa)), f"request {r}"
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_long_decode_among_many_matches_it_alone(dtype: torch.dtype, isa: str) -> None:
+    """Among enough decodes, the kernels take a decode's KV heads in one item: a long
+    decode's parts then cover all its heads, with the same result as alone."""
+    requests = MANY_DECODES[:24] + LONG_DECODES
+    pc = make_case(requests, 9, 3, 64, 16, dtype, seed=9)
+    out = run_native(pc, isa)
+    assert max_diff_to_dense(pc, out) < TOLERANCE[dtype]
+    for r in range(24, len(requests)):
+        q0, q1 = pc.metadata.qo_indptr[r].item(), pc.metadata.qo_indptr[r + 1].item()
+        assert torch.equal(out[q0:q1], run_alone(pc, r, isa)), f"request {r}"
+
+
 def test_the_backend_runs_the_cpus_best_instruction_set() -> None:
     pc = make_case(NATIVE_CASES["chunked"], 9, 3, 64, 16, torch.bfloat16, seed=2)
     out = run_native(pc)
