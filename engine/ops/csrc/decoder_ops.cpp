@@ -107,7 +107,6 @@ struct DecoderStack : torch::CustomClassHolder {
   std::vector<c10::intrusive_ptr<LayerWeights>> layers;
 
   void append(c10::intrusive_ptr<LayerWeights> layer) { layers.push_back(std::move(layer)); }
-  int64_t size() const { return static_cast<int64_t>(layers.size()); }
 };
 
 using OptString = std::optional<std::string>;
@@ -366,8 +365,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
                        int64_t, int64_t>());
   m.class_<pagedserve::DecoderStack>("DecoderStack")
       .def(torch::init<>())
-      .def("append", &pagedserve::DecoderStack::append)
-      .def("size", &pagedserve::DecoderStack::size);
+      .def("append", &pagedserve::DecoderStack::append);
   m.def(
       "decoder_layers(Tensor x, __torch__.torch.classes.pagedserve.DecoderStack stack, "
       "Tensor cos, Tensor sin, Tensor[] k_caches, Tensor[] v_caches, Tensor slot_mapping, "
