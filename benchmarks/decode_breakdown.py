@@ -108,7 +108,7 @@ def main() -> None:
     p.add_argument("--model", default=None, help="model directory (default: bundled)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--quantization", default="none")
-    p.add_argument("--quantize-lm-head", action="store_true")
+    p.add_argument("--quantize-lm-head", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--prompt-len", type=int, default=200)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--rounds", type=int, default=5)
@@ -160,7 +160,7 @@ def main() -> None:
     step_ms, layers_ms, attention_ms, head_ms = best
     result = {
         "quantization": args.quantization,
-        "quantize_lm_head": args.quantize_lm_head,
+        "quantize_lm_head": llm.config.quant.lm_head,
         "decode_step_ms": step_ms,
         "in_step_layer_kernels_ms": layers_ms,
         "in_step_attention_ms": attention_ms,

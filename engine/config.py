@@ -71,7 +71,11 @@ class EngineArgs:
         choices=QUANTIZATIONS,
     )
     quantization_group_size: int = _arg(32, "int4 group size", choices=(32, 64))
-    quantize_lm_head: bool = _arg(False, "int8/int4 also quantize the LM head")
+    quantize_lm_head: bool | None = _arg(
+        None,
+        "int8/int4 also quantize the LM head (default: int8 does, in groups of 32, which cost "
+        "no accuracy measured on the default model; int4 does not)",
+    )
     quantization_dense_copy: bool = _arg(
         True,
         "quantized weights also kept dequantized in --dtype, for steps of more than 4 tokens "
@@ -139,7 +143,8 @@ class QuantConfig:
             head = ", LM head too" if self.lm_head else ""
             return f"int4 (groups of {self.group_size}){head}{copy}"
         if self.method == "int8":
-            return "int8 (per channel)" + (", LM head too" if self.lm_head else "") + copy
+            head = ", LM head too (groups of 32)" if self.lm_head else ""
+            return f"int8 (per channel){head}{copy}"
         return f"GGUF as stored{copy}" if self.method == "gguf" else "none"
 
 
@@ -268,7 +273,7 @@ def resolve_quant_config(args: EngineArgs, model: ModelConfig, device_type: str)
                 f"--quantization {method} cannot run with --tensor-parallel-size > 1: tensor "
                 "parallelism shards float weights; use --quantization none"
             )
-        return QuantConfig("none", args.quantization_group_size, args.quantize_lm_head)
+        method = "none"
     if method == "auto":
         method = "gguf" if model.gguf is not None and device_type == "cpu" else "none"
     if method != "none" and device_type != "cpu":
@@ -278,10 +283,16 @@ def resolve_quant_config(args: EngineArgs, model: ModelConfig, device_type: str)
         )
     if method == "gguf" and model.gguf is None:
         raise ValueError("--quantization gguf needs a GGUF file: the model has none")
+    lm_head = args.quantize_lm_head
+    if lm_head and method not in ("int8", "int4"):
+        raise ValueError(
+            f"--quantize-lm-head needs --quantization int8 or int4 (here: {method}); a GGUF "
+            "file's LM head runs as stored"
+        )
     return QuantConfig(
         method,
         args.quantization_group_size,
-        args.quantize_lm_head,
+        method == "int8" if lm_head is None else lm_head,
         args.quantization_dense_copy and method != "none",
     )
 

@@ -81,13 +81,19 @@ class QuantizedWeight:
 # ---- quantizing float weights ---------------------------------------------------------
 
 
-def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
-    """Symmetric int8 per output channel: d = max|w| / 127 (float16), q = round(w / d)."""
+def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> QuantizedWeight:
+    """Symmetric int8 per output channel, or per group of `group_size` weights along K (GGUF
+    Q8_0's format at 32): d = max|w| / 127 (float16), q = round(w / d)."""
     w = weight.detach().float()
-    scale = (w.abs().amax(dim=1, keepdim=True) / 127.0).to(torch.float16)
+    n, k = w.shape
+    group = k if group_size is None else group_size
+    if k % group or group % BLOCK:
+        raise ValueError(f"K={k} does not split into int8 groups of {group}")
+    groups = w.view(n, k // group, group)
+    scale = (groups.abs().amax(-1) / 127.0).to(torch.float16)
     safe = scale.float().clamp_min(torch.finfo(torch.float16).tiny)
-    q = torch.round(w / safe).clamp(-128, 127).to(torch.int8)
-    return QuantizedWeight(q.contiguous(), scale.contiguous(), None, 8, w.shape[1])
+    q = torch.round(groups / safe[..., None]).clamp(-128, 127).to(torch.int8)
+    return QuantizedWeight(q.view(n, k).contiguous(), scale.contiguous(), None, 8, group)
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> QuantizedWeight:

@@ -35,6 +35,29 @@ def test_resolution(requested: str, gguf: Path | None, device: str, expected: st
     assert resolve_quant_config(args, model(gguf), device).method == expected
 
 
+@pytest.mark.parametrize(
+    ("method", "requested", "expected"),
+    [
+        ("int8", None, True),  # int8 quantizes the head by default (in groups of 32)
+        ("int4", None, False),  # int4 does not: it costs accuracy (test_quantized_model.py)
+        ("int8", False, False),
+        ("int4", True, True),
+        ("gguf", None, False),  # a GGUF file's head runs as stored
+        ("none", None, False),
+    ],
+)
+def test_lm_head_resolution(method: str, requested: bool | None, expected: bool) -> None:
+    args = EngineArgs(quantization=method, quantize_lm_head=requested)
+    assert resolve_quant_config(args, model(Path("m/w.gguf")), "cpu").lm_head is expected
+
+
+@pytest.mark.parametrize(("method", "tp"), [("gguf", 1), ("none", 1), ("auto", 2)])
+def test_quantize_lm_head_without_int_quantization_is_refused(method: str, tp: int) -> None:
+    args = EngineArgs(quantization=method, quantize_lm_head=True, tensor_parallel_size=tp)
+    with pytest.raises(ValueError, match="--quantize-lm-head needs --quantization int8 or int4"):
+        resolve_quant_config(args, model(Path("m/w.gguf")), "cpu")
+
+
 @pytest.mark.parametrize("method", ["int8", "int4", "gguf"])
 def test_gpu_refuses_explicit_quantization(method: str) -> None:
     with pytest.raises(ValueError, match="runs on the CPU only"):
@@ -46,7 +69,9 @@ def test_gguf_needs_a_gguf_file() -> None:
         resolve_quant_config(EngineArgs(quantization="gguf"), model(None), "cpu")
 
 
-@pytest.mark.parametrize(("method", "lm_head"), [("int8", False), ("int4", False), ("int4", True)])
+@pytest.mark.parametrize(
+    ("method", "lm_head"), [("int8", False), ("int8", True), ("int4", False), ("int4", True)]
+)
 def test_engine_serves_quantized_tiny_models(tmp_path: Path, method: str, lm_head: bool) -> None:
     path = make_tiny_model("qwen2", tmp_path)  # qkv bias, untied head
     options = dict(dtype="float32", num_kv_blocks=64, max_model_len=128, max_num_batched_tokens=8)

@@ -163,6 +163,26 @@ def test_quantizers_stay_within_half_a_step() -> None:
         assert ((dequantize_reference(q) - w).abs() <= step / 2 + 1e-6).all()
     q8 = quantize_int8(w)
     assert ((dequantize_reference(q8) - w).abs() <= q8.scales.float() / 2 + 1e-6).all()
+    q8 = quantize_int8(w, 32)
+    step = q8.scales.float().repeat_interleave(32, dim=1)
+    assert ((dequantize_reference(q8) - w).abs() <= step / 2 + 1e-6).all()
+
+
+def test_int8_in_groups_of_32_is_gguf_q8_0() -> None:
+    """int8 in groups of 32 (the LM head's) is Q8_0's format, whose kernels the tests above
+    check: gguf's own quantizer gives the same scales, and the same values but where it
+    rounds x / d with d before its float16 rounding and we with the d that is stored."""
+    w = torch.randn(48, 128, generator=torch.Generator().manual_seed(3))
+    ours = quantize_int8(w, 32)
+    raw = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q8_0)
+    theirs = from_gguf("Q8_0", raw, (48, 128))
+    assert ours.group_size == theirs.group_size == 32 and ours.bits == theirs.bits == 8
+    assert torch.equal(ours.scales, theirs.scales)
+    differ = ours.qweight != theirs.qweight
+    assert differ.float().mean() < 0.01
+    assert (ours.qweight.int() - theirs.qweight.int()).abs().max() <= 1
+    with pytest.raises(ValueError, match="does not split into int8 groups of 48"):
+        quantize_int8(w, 48)
 
 
 def test_nibbles_round_trip_in_gguf_order() -> None:

@@ -24,7 +24,7 @@ from engine.config import QuantConfig
 from engine.models.layers import Linear
 from engine.models.llama import DecoderModel
 from engine.models.loader import load_model
-from engine.models.quantized import MAX_KERNEL_ROWS, TiledWeight
+from engine.models.quantized import MAX_KERNEL_ROWS, TiledWeight, dequantize
 
 HELDOUT = Path(__file__).parent.parent.parent / "data" / "heldout.txt"
 # Measured bounds sit several times above what correct quantization gives (printed below)
@@ -75,19 +75,41 @@ def heldout(default_model_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # int4 in groups of 64: groups of 32 would rebuild this model's Q4_1 grid exactly (its float
-# weights are 16 levels between each 32-block's min and max), which tests nothing.
-@pytest.mark.parametrize(("method", "group"), [("int8", 32), ("int4", 64)])
+# weights are 16 levels between each 32-block's min and max), which tests nothing. int8 with
+# its LM head (the default) quantizes the head in groups of 32, which rebuilds this model's
+# Q8_0 head exactly, so the head's own case is the per-channel one a wrong group would give.
+@pytest.mark.parametrize(
+    ("method", "group", "lm_head"), [("int8", 32, False), ("int8", 32, True), ("int4", 64, False)]
+)
 def test_quantized_model_stays_close_to_float32(
-    default_model_dir: Path, heldout: tuple[torch.Tensor, torch.Tensor], method: str, group: int
+    default_model_dir: Path,
+    heldout: tuple[torch.Tensor, torch.Tensor],
+    method: str,
+    group: int,
+    lm_head: bool,
 ) -> None:
     ids, reference = heldout
-    quant = QuantConfig(method, group_size=group)
+    quant = QuantConfig(method, group_size=group, lm_head=lm_head)
     model, _ = load_model(default_model_dir, torch.float32, "cpu", quant)
     assert sum(isinstance(m, Linear) and m.quantized is not None for m in model.modules()) == 120
+    assert (model.quantized_head is not None) == lm_head
     kl, agreement = compare(reference, all_logits(model, ids))
     print(f"{quant.describe()}: mean KL {kl:.5f}, greedy top-1 agreement {agreement:.4f}")
     max_kl, min_agreement = BOUNDS[method]
     assert kl < max_kl and agreement > min_agreement
+
+
+def test_int8_head_in_groups_of_32_rebuilds_the_q8_0_table(default_model_dir: Path) -> None:
+    """The default model's tied head is its GGUF file's Q8_0 table dequantized: int8 in groups
+    of 32 finds the same scales and values, so its head is the float head exactly (per
+    channel, one scale a row, it would not be)."""
+    quant = QuantConfig("int8", lm_head=True)
+    model, _ = load_model(default_model_dir, torch.float32, "cpu", quant)
+    assert model.quantized_head is not None and model.quantized_head.group_size == 32
+    assert model.embed_tokens is not None and model.lm_head is None
+    torch.testing.assert_close(
+        dequantize(model.quantized_head, torch.float32), model.embed_tokens, rtol=0, atol=0
+    )
 
 
 def break_scales(model: DecoderModel, how: str) -> None:
