@@ -135,10 +135,10 @@ def test_llama3_rope_scaling(tmp_path: Path) -> None:
 
 
 def test_long_context_decodes(tmp_path: Path) -> None:
-    """Decodes over 1024 keys or more attend in parts, merged after
-    (engine/ops/csrc/attention_ops.cpp), alone and beside each other."""
+    """Decodes over 512 keys or more attend in parts (4 at 520 keys, 8 from about 1024),
+    merged after (engine/ops/csrc/attention_ops.cpp), alone and beside each other."""
     path = make_tiny_model("llama", tmp_path, max_position_embeddings=2048)
-    prompts = make_prompts(5, [1030, 1500])
+    prompts = make_prompts(5, [520, 1030, 1500])
     reference = hf_greedy(path, prompts, MAX_TOKENS)
     llm = tiny_llm(path, num_kv_blocks=200, max_model_len=2048, max_num_batched_tokens=2048)
     assert engine_tokens(llm, prompts) == reference

@@ -49,12 +49,19 @@ constexpr int64_t kMaxChunkBytes = 32 * 1024;
 // still enough to keep every thread busy.
 constexpr int64_t kGroupHeadsMinRequests = 4;
 // A decode over at least kSplitMinKeys keys is split into parts of about kPartKeys keys (at
-// most kMaxParts), each an item of its own, and the parts' states are merged after: one
-// long decode then keeps more threads busy than it has KV heads. The split depends only on
-// the request's own length and the block size, never on the batch, so a request gives the
-// same result alone or in a batch (unsplit, the same keys in one pass round differently).
-constexpr int64_t kSplitMinKeys = 1024;
-constexpr int64_t kPartKeys = 512;
+// most kMaxParts), each an item of its own over all the KV heads that fit one item, and the
+// parts' states are merged after. A single decode then keeps every thread busy (one item
+// per head left a thread idle: 3 heads on 2 threads), and each item reads its keys' rows
+// of all heads, which lie side by side, as one stream (one head's rows are a third of each
+// key's, read with gaps). In a Q4_1 SmolLM2 decode step on 2 AVX2 threads
+// (benchmarks/decode_breakdown.py), attention at 900 keys took 2.9-3.6 ms with one item per
+// head and 2.5-2.7 ms split in parts of about 128; at 200 keys, split in two, it gained
+// nothing, and in a batch of 64 decodes of 250 keys splitting cost 5-10%
+// (benchmarks/attention_cpu.py): shorter decodes stay whole. The split depends only on the
+// request's own length and the block size, never on the batch, so a request gives the same
+// result alone or in a batch (unsplit, the same keys in one pass round differently).
+constexpr int64_t kSplitMinKeys = 512;
+constexpr int64_t kPartKeys = 128;
 
 // ---------------------------------------------------------------------------------------
 // Planning and threading.
@@ -63,14 +70,20 @@ constexpr int64_t kPartKeys = 512;
 // one long prefill splits into many items for the threads to share.
 int64_t rows_per_tile(int64_t group) { return std::max<int64_t>(1, kTileQueries / group); }
 
-// KV heads per item for a request of q_len query rows: several for a decode in a batch of
-// many requests, as many as fit the item's query vectors and chunk scratch; else one.
+// The most KV heads one item of q_len query rows takes: its query vectors and chunk scratch.
 template <typename T>
-int64_t heads_per_item(const Problem<T>& pb, int64_t num_reqs, int64_t q_len) {
-  if (num_reqs < kGroupHeadsMinRequests * at::get_num_threads()) return 1;
+int64_t max_heads_per_item(const Problem<T>& pb, int64_t q_len) {
   const int64_t by_scratch = kMaxChunkBytes / (kChunk * pb.head_dim * int64_t{sizeof(float)});
   const int64_t by_queries = kTileQueries / (q_len * pb.group);
   return std::clamp<int64_t>(std::min(by_scratch, by_queries), 1, pb.num_kv_heads);
+}
+
+// KV heads per item for an unsplit request of q_len query rows: the most for a decode in a
+// batch of many requests; else one (a split decode's parts take the most: plan_items).
+template <typename T>
+int64_t heads_per_item(const Problem<T>& pb, int64_t num_reqs, int64_t q_len) {
+  if (num_reqs < kGroupHeadsMinRequests * at::get_num_threads()) return 1;
+  return max_heads_per_item(pb, q_len);
 }
 
 // Requests req_begin..req_end (consecutive, so their rows are too) whose first `keys` keys
@@ -180,7 +193,7 @@ std::vector<WorkItem> plan_items(const Problem<T>& pb, int64_t num_reqs,
     const int64_t split_keys =
         q_len == 1 && key_begin[r] == 0 ? part_keys(computed + 1, pb.block_size) : 0;
     if (split_keys > 0) {
-      const int64_t kv_len = computed + 1, heads = heads_per_item(pb, num_reqs, 1);
+      const int64_t kv_len = computed + 1, heads = max_heads_per_item(pb, 1);
       const auto split = static_cast<int32_t>(splits.size());
       splits.push_back({pb.qo_indptr[r], (kv_len + split_keys - 1) / split_keys});
       for (int64_t k0 = 0, part = 0; k0 < kv_len; k0 += split_keys, ++part) {

@@ -177,9 +177,10 @@ def test_a_decode_in_a_large_batch_matches_it_alone(
         assert torch.equal(out[q0:q1], run_alone(pc, r, isa)), f"request {r}"
 
 
-# Decodes long enough that their keys are split into parts (from 1024 keys, parts of about
-# 512, at most 8) and merged, beside a short decode and a prefill chunk.
-LONG_DECODES = [(1023, 1), (1500, 1), (40, 1), (4100, 1), (30, 70), (9000, 1)]
+# Decodes long enough that their keys are split into parts (from 512 keys, parts of about
+# 128, at most 8, each over all the KV heads an item takes) and merged, beside short decodes
+# (one just under the threshold) and a prefill chunk.
+LONG_DECODES = [(510, 1), (511, 1), (900, 1), (40, 1), (4100, 1), (30, 70), (9000, 1)]
 
 
 @pytest.mark.parametrize("isa", ISAS)
