@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import threading
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
@@ -55,6 +56,7 @@ logger = logging.getLogger("pagedserve.server")
 # How long shutdown waits for the engine's step in flight.
 ENGINE_STOP_TIMEOUT_S = 0.5
 Body = TypeVar("Body", bound=BaseModel)
+T = TypeVar("T")
 
 
 def package_version() -> str:
@@ -62,6 +64,32 @@ def package_version() -> str:
         return version("pagedserve")
     except PackageNotFoundError:
         return "0+unknown"
+
+
+def in_daemon_thread(fn: Callable[[], T]) -> asyncio.Future[T]:
+    """fn() on a daemon thread of its own, as a future of this loop. Unlike asyncio.to_thread,
+    whose executor threads the interpreter joins on exit, it lets the process exit while fn
+    still runs: a shutdown signal during a minutes-long model load exits at once."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(outcome: Callable[[], None]) -> None:
+        if not future.done():  # not cancelled meanwhile
+            outcome()
+
+    def run() -> None:
+        outcome: Callable[[], None]
+        try:
+            outcome = functools.partial(future.set_result, fn())
+        except BaseException as exc:  # handed to the awaiting task, which decides
+            outcome = functools.partial(future.set_exception, exc)
+        try:
+            loop.call_soon_threadsafe(settle, outcome)
+        except RuntimeError:  # the loop has closed: the server exited while fn ran
+            logger.info("the server exited before %s finished", getattr(fn, "__name__", fn))
+
+    threading.Thread(target=run, name="pagedserve-load", daemon=True).start()
+    return future
 
 
 def create_app(engine: AsyncLLM | Callable[[], AsyncLLM], settings: ServerSettings) -> FastAPI:
@@ -98,7 +126,7 @@ def create_app(engine: AsyncLLM | Callable[[], AsyncLLM], settings: ServerSettin
 
     async def load(loader: Callable[[], AsyncLLM]) -> None:
         try:
-            attach(await asyncio.to_thread(loader))
+            attach(await in_daemon_thread(loader))
         except Exception as exc:
             logger.exception("model loading failed")
             state.load_error = exc

@@ -26,10 +26,12 @@ from server.settings import AppState, Phase, ServerSettings
 
 logger = logging.getLogger("pagedserve.server")
 # Test-only hooks, off unless set: the engine step after this many raises; every step
-# first sleeps this many seconds; the block pool's invariants are checked after every step.
+# first sleeps this many seconds; the block pool's invariants are checked after every step;
+# loading the model first sleeps this many seconds.
 FAIL_AFTER_STEPS_ENV = "PAGEDSERVE_TEST_FAIL_AFTER_STEPS"
 STEP_DELAY_ENV = "PAGEDSERVE_TEST_STEP_DELAY"
 CHECK_INVARIANTS_ENV = "PAGEDSERVE_TEST_CHECK_INVARIANTS"
+LOAD_DELAY_ENV = "PAGEDSERVE_TEST_LOAD_DELAY"
 # After the drain deadline, how long cut-off requests get to send their last words.
 CUTOFF_GRACE_S = 0.5
 
@@ -84,8 +86,11 @@ class DrainingServer(uvicorn.Server):
             self._drain_task = loop.create_task(self._cut_off())
             return
         if self.state.phase is not Phase.READY:
+            # Nothing to drain. The lifespan's shutdown still runs: it cancels a load in
+            # progress, whose thread does not hold the process (app.in_daemon_thread);
+            # force_exit would skip it, and uvicorn then logs the lifespan's cancellation
+            # as an error.
             logger.warning("shutdown signal while not serving: exiting now")
-            self.force_exit = True
             self.should_exit = True
             return
         logger.info(
@@ -127,8 +132,15 @@ def run_server(settings: ServerSettings, engine_args: EngineArgs) -> int:
         fail_after_steps=int(fail_after) if fail_after else None,
         step_delay=float(os.environ.get(STEP_DELAY_ENV) or 0),
     )
+    load_delay = float(os.environ.get(LOAD_DELAY_ENV) or 0)
+
+    def load() -> AsyncLLM:
+        if load_delay > 0:
+            time.sleep(load_delay)
+        return AsyncLLM.from_engine_args(engine_args, hooks)
+
     try:
-        app = create_app(lambda: AsyncLLM.from_engine_args(engine_args, hooks), settings)
+        app = create_app(load, settings)
     except (OSError, ValueError) as exc:  # a bad --api-keys-file
         logger.error("cannot start: %s", exc)
         return 2
