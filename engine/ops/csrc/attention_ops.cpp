@@ -54,10 +54,10 @@ constexpr int64_t kGroupHeadsMinRequests = 4;
 // per head left a thread idle: 3 heads on 2 threads), and each item reads its keys' rows
 // of all heads, which lie side by side, as one stream (one head's rows are a third of each
 // key's, read with gaps). In a Q4_1 SmolLM2 decode step on 2 AVX2 threads
-// (benchmarks/decode_breakdown.py), attention at 900 keys took 2.9-3.6 ms with one item per
-// head and 2.5-2.7 ms split in parts of about 128; at 200 keys, split in two, it gained
-// nothing, and in a batch of 64 decodes of 250 keys splitting cost 5-10%
-// (benchmarks/attention_cpu.py): shorter decodes stay whole. The split depends only on the
+// (benchmarks/decode_breakdown.py), attention at 900 keys took a mean 2.61 ms so against 2.71
+// with one item per head, unsplit, in six alternating pairs (the machine's noise was as
+// large); at 200 keys, split in two, it gained nothing, and in a batch of 64 decodes of 250
+// keys splitting cost 5-10% (benchmarks/attention_cpu.py): shorter decodes stay whole. The split depends only on the
 // request's own length and the block size, never on the batch, so a request gives the same
 // result alone or in a batch (unsplit, the same keys in one pass round differently).
 constexpr int64_t kSplitMinKeys = 512;
