@@ -78,9 +78,9 @@ def quantize_model(model: DecoderModel, quant: QuantConfig) -> None:
     """Replaces every float linear layer's weight (and, with quant.lm_head, the LM head's)
     by its int8/int4 quantization."""
 
-    def quantize(weight: torch.Tensor, int8_group: int | None = None) -> QuantizedWeight:
+    def quantize(weight: torch.Tensor) -> QuantizedWeight:
         if quant.method == "int8":
-            return quantize_int8(weight, int8_group)
+            return quantize_int8(weight)
         return quantize_int4(weight, quant.group_size)
 
     for module in model.modules():
@@ -88,7 +88,8 @@ def quantize_model(model: DecoderModel, quant: QuantConfig) -> None:
             module.quantize(quantize(module.weight))
     if quant.lm_head and model.quantized_head is None:
         head = model.embed_tokens if model.lm_head is None else model.lm_head
-        model.quantize_head(quantize(head, INT8_HEAD_GROUP))
+        int8 = quant.method == "int8"
+        model.quantize_head(quantize_int8(head, INT8_HEAD_GROUP) if int8 else quantize(head))
 
 
 class WeightLoader:

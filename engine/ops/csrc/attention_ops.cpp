@@ -38,6 +38,7 @@
 namespace pagedserve {
 namespace {
 
+using PAGEDSERVE_ISA::part_state;
 using PAGEDSERVE_ISA::span_of;
 
 constexpr int64_t kTileQueries = 48;  // query vectors (rows * group) per work item
@@ -54,12 +55,13 @@ constexpr int64_t kGroupHeadsMinRequests = 4;
 // per head left a thread idle: 3 heads on 2 threads), and each item reads its keys' rows
 // of all heads, which lie side by side, as one stream (one head's rows are a third of each
 // key's, read with gaps). In a Q4_1 SmolLM2 decode step on 2 AVX2 threads
-// (benchmarks/decode_breakdown.py), attention at 900 keys took a mean 2.61 ms so against 2.71
-// with one item per head, unsplit, in six alternating pairs (the machine's noise was as
-// large); at 200 keys, split in two, it gained nothing, and in a batch of 64 decodes of 250
-// keys splitting cost 5-10% (benchmarks/attention_cpu.py): shorter decodes stay whole. The split depends only on the
-// request's own length and the block size, never on the batch, so a request gives the same
-// result alone or in a batch (unsplit, the same keys in one pass round differently).
+// (benchmarks/decode_breakdown.py), attention at 900 keys took a mean 2.61 ms split so,
+// against 2.71 unsplit with one item per head, in six alternating pairs (the machine's noise
+// was as large); at 200 keys, split in two, it gained nothing, and in a batch of 64 decodes
+// of 250 keys splitting cost 5-10% (benchmarks/attention_cpu.py): shorter decodes stay
+// whole. The split depends only on the request's own length and the block size, never on
+// the batch, so a request gives the same result alone or in a batch (unsplit, the same keys
+// in one pass round differently).
 constexpr int64_t kSplitMinKeys = 512;
 constexpr int64_t kPartKeys = 128;
 
@@ -263,7 +265,7 @@ void merge_parts(const Problem<T>& pb, const std::vector<SplitDecode>& splits) {
   for (size_t s = 0; s < splits.size(); ++s) {
     const SplitDecode& split = splits[s];
     for (int64_t head = 0; head < num_heads; ++head) {
-      const float* first = pb.parts + (s * num_heads + head) * kMaxParts * (D + 2);
+      const float* first = part_state(pb, static_cast<int64_t>(s), head, 0);
       float mx = kNegInf;
       for (int64_t p = 0; p < split.parts; ++p) mx = std::max(mx, first[p * (D + 2) + D]);
       float weight[kMaxParts], sum = 0.f;
