@@ -87,14 +87,16 @@ void tile_rows_fma(const Bf16Weight& w, int64_t t, const float* x, int64_t rows,
 // Tile-major, as the dot-product kernel: a tile's weights (K * 32 bytes) stay in the cache
 // for every pass of rows.
 void avx2_tiles(const Bf16Weight& w, const c10::BFloat16* x, int64_t M, c10::BFloat16* y,
-                int64_t begin, int64_t end) {
+                TileClaims& claims) {
   // Per thread, kept between calls: this runs for every linear layer of every step.
   thread_local std::vector<float> xf;
   xf.resize(M * w.K);
   for (int64_t i = 0; i < M * w.K; ++i) xf[i] = static_cast<float>(x[i]);
-  for (int64_t t = begin; t < end; ++t) {
-    for (int64_t r0 = 0; r0 < M; r0 += kFmaRows) {
-      tile_rows_fma(w, t, xf.data() + r0 * w.K, std::min(kFmaRows, M - r0), y + r0 * w.N);
+  for (int64_t begin, end; claims.claim(begin, end);) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t r0 = 0; r0 < M; r0 += kFmaRows) {
+        tile_rows_fma(w, t, xf.data() + r0 * w.K, std::min(kFmaRows, M - r0), y + r0 * w.N);
+      }
     }
   }
 }

@@ -171,19 +171,21 @@ void tile_rows(const Bf16Weight& w, int64_t t, int64_t count, const c10::BFloat1
 
 #ifdef PAGEDSERVE_BF16_AVX2
 void bf16_tiles(const Bf16Weight& w, const c10::BFloat16* x, int64_t M, c10::BFloat16* y,
-                int64_t begin, int64_t end) {
-  avx2_tiles(w, x, M, y, begin, end);
+                TileClaims& claims) {
+  avx2_tiles(w, x, M, y, claims);
 }
 #else
 void bf16_tiles(const Bf16Weight& w, const c10::BFloat16* x, int64_t M, c10::BFloat16* y,
-                int64_t begin, int64_t end) {
+                TileClaims& claims) {
   // Tile-major: a pair of tiles' weights (K * 64 bytes) stay in the cache for every pass of
   // rows. One row at a time goes one tile at a time: the loop is the memory's then.
   const int64_t step = M >= kPairRows ? 2 : 1;
-  for (int64_t t = begin; t < end; t += step) {
-    const int64_t count = std::min(step, end - t);
-    for (int64_t r0 = 0; r0 < M; r0 += kRows) {
-      tile_rows(w, t, count, x + r0 * w.K, std::min(kRows, M - r0), y + r0 * w.N);
+  for (int64_t begin, end; claims.claim(begin, end);) {
+    for (int64_t t = begin; t < end; t += step) {
+      const int64_t count = std::min(step, end - t);
+      for (int64_t r0 = 0; r0 < M; r0 += kRows) {
+        tile_rows(w, t, count, x + r0 * w.K, std::min(kRows, M - r0), y + r0 * w.N);
+      }
     }
   }
 }

@@ -1,6 +1,6 @@
 // The bfloat16 linear op's entry point (kernels and layout in bf16_linear_kernels.cpp):
-// tensor checks, the split of output tiles over torch's threads, and the instruction set
-// (kernels.h).
+// tensor checks, the split of output tiles over torch's threads (parallel.h), and the
+// instruction set (kernels.h).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -12,6 +12,7 @@
 #include <string>
 
 #include "kernels.h"
+#include "parallel.h"
 
 namespace pagedserve {
 namespace {
@@ -42,9 +43,8 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, int64_t N,
   const c10::BFloat16* xp = xc.data_ptr<c10::BFloat16>();
   c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
   const int64_t grain = std::max<int64_t>(1, kMinWeightsPerTask / (kTile * K));
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    kernel(w, xp, M, yp, begin, end);
-  });
+  parallel_tiles(tiles, grain, 2 * M * K * kTile,
+                 [&](TileClaims& claims) { kernel(w, xp, M, yp, claims); });
   return y;
 }
 

@@ -23,6 +23,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <limits>
 #include <optional>
@@ -202,6 +203,34 @@ struct QuantOut {
   bool bf16;
 };
 
+// A linear layer's output tiles, claimed a run at a time by the threads of one parallel
+// region (parallel.h says why). Each claim takes 1/(2 * threads) of what is left, at least
+// min_chunk tiles: long runs first, then shorter ones that even out the threads' ends.
+class TileClaims {
+ public:
+  TileClaims(int64_t end, int64_t min_chunk, int64_t threads)
+      : end_(end), min_chunk_(std::max<int64_t>(1, min_chunk)),
+        divisor_(2 * std::max<int64_t>(1, threads)) {}
+
+  // The next run [begin, stop); false when every tile is claimed.
+  bool claim(int64_t& begin, int64_t& stop) {
+    int64_t next = next_.load(std::memory_order_relaxed);
+    while (next < end_) {
+      const int64_t size = std::max(min_chunk_, (end_ - next) / divisor_);
+      if (next_.compare_exchange_weak(next, next + size, std::memory_order_relaxed)) {
+        begin = next;
+        stop = std::min(next + size, end_);
+        return true;
+      }
+    }
+    return false;
+  }
+
+ private:
+  std::atomic<int64_t> next_{0};
+  const int64_t end_, min_chunk_, divisor_;
+};
+
 // A bfloat16 linear layer's weight tiled for the dot-product instructions
 // (bf16_linear_kernels.cpp has the layout): (tiles, K/2, 16, 2), for each tile of 16 output
 // rows and each pair of k, the 16 rows' weights at k and k + 1. N is padded to whole tiles.
@@ -237,9 +266,10 @@ struct Kernels {
   // QuantRows::xq and xq_scale for the M rows of float32 x (M, K), which only the AVX2 set's
   // tiles read: every set has it, and gives the same integers and scales.
   void (*quant_rows_int16)(const float* x, int64_t M, int64_t K, int16_t* xq, float* scale);
-  // bfloat16 linear: tiles begin..end of y (M, N) = x (M, K) W^T, every row of x.
+  // bfloat16 linear: the tiles of y (M, N) = x (M, K) W^T that this thread claims, every
+  // row of x.
   void (*bf16_tiles)(const Bf16Weight&, const c10::BFloat16* x, int64_t M, c10::BFloat16* y,
-                     int64_t begin, int64_t end);
+                     TileClaims& claims);
 
   template <typename T>
   const KernelsFor<T>& of() const {
@@ -290,7 +320,7 @@ inline const Kernels& kernels_for(const std::optional<std::string>& isa) {
                    int64_t begin, int64_t end);                                           \
   void quant_rows_int16(const float* x, int64_t M, int64_t K, int16_t* xq, float* scale); \
   void bf16_tiles(const Bf16Weight& w, const c10::BFloat16* x, int64_t M, c10::BFloat16* y, \
-                  int64_t begin, int64_t end);                                            \
+                  TileClaims& claims);                                                    \
   }
 
 PAGEDSERVE_DECLARE_KERNELS(isa_portable)

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "parallel.h"
 
 namespace pagedserve {
 namespace {
@@ -109,16 +110,18 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   const float* xq_scalep = xq_scale.data();
   const c10::BFloat16* xbp = bf16 ? xc.data_ptr<c10::BFloat16>() : nullptr;
   char* outp = static_cast<char*>(out.data_ptr());
-  at::parallel_for(0, w.tiles(), grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r0 = 0; r0 < M; r0 += kRowTile) {
-      QuantRows rows{x32p + r0 * K, bf16 ? xbp + r0 * K : nullptr, xsump + r0 * groups,
-                     std::min(kRowTile, M - r0)};
-      if (int16_rows) {
-        rows.xq = xqp + r0 * K;
-        rows.xq_scale = xq_scalep + r0 * (K / QuantWeight::kBlock);
+  parallel_tiles(w.tiles(), grain, 2 * M * K * QuantWeight::kTile, [&](TileClaims& claims) {
+    for (int64_t begin, end; claims.claim(begin, end);) {
+      for (int64_t r0 = 0; r0 < M; r0 += kRowTile) {
+        QuantRows rows{x32p + r0 * K, bf16 ? xbp + r0 * K : nullptr, xsump + r0 * groups,
+                       std::min(kRowTile, M - r0)};
+        if (int16_rows) {
+          rows.xq = xqp + r0 * K;
+          rows.xq_scale = xq_scalep + r0 * (K / QuantWeight::kBlock);
+        }
+        char* base = outp + r0 * N * out.element_size();
+        tiles(w, rows, QuantOut{base, bf16}, begin, end);
       }
-      char* base = outp + r0 * N * out.element_size();
-      tiles(w, rows, QuantOut{base, bf16}, begin, end);
     }
   });
   return out;

@@ -25,6 +25,7 @@ from engine.models.quantized import (
     unpack_nibbles,
 )
 from engine.ops.loader import native_kernels
+from tests.threads import torch_threads
 
 N, K = 200, 576  # N is not a multiple of the 16-row tile: the padding is exercised too
 FORMATS = ("int8", "int4-g32", "int4-g64", "Q4_0", "Q4_1", "Q8_0")
@@ -82,6 +83,24 @@ def test_kernel_matches_the_dequantized_reference(
     print(f"{fmt} M={m} {dtype} {isa}: max error {error:.2e} of max |y|")
     assert y.shape == (m, N) and y.dtype == dtype
     assert error < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("fmt", ["int8", "Q4_1"])
+@pytest.mark.parametrize("m", [1, 64])
+def test_any_thread_count_gives_the_same_bits(fmt: str, m: int) -> None:
+    """As for the bfloat16 kernel: the threads claim runs of tiles (parallel.h), each tile
+    is computed once with the same arithmetic, so 1, 2 or 3 threads give the same bits."""
+    weight = make_weight(fmt, n=1536)
+    tiled = pack_tiles(weight)
+    x = torch.randn(m, K, generator=torch.Generator().manual_seed(m)).bfloat16()
+    outputs = []
+    for n in (1, 2, 3):
+        with torch_threads(n):
+            outputs.append(torch.ops.pagedserve.quant_linear(x, *tiled.kernel_args()))
+    reference = x.double() @ dequantize_reference(weight).double().T
+    assert relative_error(outputs[0], reference) < TOLERANCE[torch.bfloat16]
+    for y in outputs[1:]:
+        assert torch.equal(y, outputs[0])
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -16,6 +16,7 @@ from engine.models.layers import (
     tiled_linear,
 )
 from engine.ops.loader import native_kernels
+from tests.threads import torch_threads
 
 pytestmark = pytest.mark.skipif(not native_kernels().available, reason="no native kernels")
 
@@ -54,6 +55,23 @@ def test_kernel_matches_the_float64_reference(isa: str, n: int, k: int, m: int) 
     y = torch.ops.pagedserve.bf16_linear(x, tile_bf16_weight(weight), n, isa)
     assert y.shape == (m, n)
     assert_rounded_reference(y, reference(x, weight))
+
+
+@pytest.mark.parametrize("m", [1, 64, 300])
+def test_any_thread_count_gives_the_same_bits(m: int) -> None:
+    """The threads claim runs of tiles as they go (parallel.h): every tile is computed once,
+    by whichever thread claims it, with the same arithmetic, so the result is bitwise the
+    same on 1 thread as on 2 or 3, and a tile left unclaimed would show as garbage."""
+    g = torch.Generator().manual_seed(m)
+    weight, x = torch.randn(3072, 576, generator=g).bfloat16(), torch.randn(m, 576).bfloat16()
+    tiled = tile_bf16_weight(weight)
+    outputs = []
+    for n in (1, 2, 3):
+        with torch_threads(n):
+            outputs.append(torch.ops.pagedserve.bf16_linear(x, tiled, 3072))
+    assert_rounded_reference(outputs[0], reference(x, weight))
+    for y in outputs[1:]:
+        assert torch.equal(y, outputs[0])
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -1,0 +1,39 @@
+// Splitting a linear layer's output tiles over torch's threads (TileClaims, kernels.h).
+//
+// at::parallel_for hands each thread a fixed share of the range, so when the OS takes one
+// thread off its core for a while (the HTTP server's event loop, a client or another
+// process on the same cores), the others finish their shares and wait at the barrier. Here
+// each thread claims the next run of tiles until none are left: a thread held back delays
+// only the run it holds. Served, 64 streams of 200 tokens in and 128 out went from 119-132
+// to 134-143 output tok/s (five pairs, alternating, on a 2-core AVX2 machine).
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "kernels.h"
+
+namespace pagedserve {
+
+// Runs task(claims) once on each of up to tiles / grain threads (grain: the fewest tiles
+// worth a thread's start). They claim runs of tiles until none are left, each run at least
+// kClaimFlops of arithmetic (flops_per_tile each): at a decode step's few rows that is a
+// thread's whole share, as at::parallel_for would give it (its weights stream from memory,
+// and one long run per thread keeps the prefetcher ahead); at a prefill's, a tile or two.
+template <typename F>
+void parallel_tiles(int64_t tiles, int64_t grain, int64_t flops_per_tile, const F& task) {
+  constexpr int64_t kClaimFlops = int64_t{1} << 22;
+  grain = std::max<int64_t>(1, grain);
+  const int64_t tasks = std::clamp<int64_t>((tiles + grain - 1) / grain, 1, at::get_num_threads());
+  const int64_t share = (tiles + tasks - 1) / tasks;
+  const int64_t min_chunk =
+      std::clamp<int64_t>(kClaimFlops / std::max<int64_t>(1, flops_per_tile), 1, share);
+  TileClaims claims(tiles, min_chunk, tasks);
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) task(claims);
+  });
+}
+
+}  // namespace pagedserve
