@@ -203,13 +203,14 @@ struct QuantOut {
   bool bf16;
 };
 
-// A linear layer's output tiles, claimed a run at a time by the threads of one parallel
-// region (parallel.h says why). Each claim takes 1/(2 * threads) of what is left, at least
-// min_chunk tiles: long runs first, then shorter ones that even out the threads' ends.
+// A linear layer's output tiles begin..end, claimed a run at a time by the threads of one
+// parallel region (parallel.h says why). Each claim takes 1/(2 * threads) of what is left,
+// at least min_chunk tiles: long runs first, then shorter ones that even out the threads'
+// ends.
 class TileClaims {
  public:
-  TileClaims(int64_t end, int64_t min_chunk, int64_t threads)
-      : end_(end), min_chunk_(std::max<int64_t>(1, min_chunk)),
+  TileClaims(int64_t begin, int64_t end, int64_t min_chunk, int64_t threads)
+      : next_(begin), end_(end), min_chunk_(std::max<int64_t>(1, min_chunk)),
         divisor_(2 * std::max<int64_t>(1, threads)) {}
 
   // The next run [begin, stop); false when every tile is claimed.
@@ -227,7 +228,7 @@ class TileClaims {
   }
 
  private:
-  std::atomic<int64_t> next_{0};
+  std::atomic<int64_t> next_;
   const int64_t end_, min_chunk_, divisor_;
 };
 

@@ -19,18 +19,25 @@ namespace pagedserve {
 
 // Runs task(claims) once on each of up to tiles / grain threads (grain: the fewest tiles
 // worth a thread's start). They claim runs of tiles until none are left, each run at least
-// kClaimFlops of arithmetic (flops_per_tile each): at a decode step's few rows that is a
-// thread's whole share, as at::parallel_for would give it (its weights stream from memory,
-// and one long run per thread keeps the prefetcher ahead); at a prefill's, a tile or two.
+// kClaimFlops of arithmetic (flops_per_tile each). At a decode step's few rows that is a
+// thread's whole share: each thread then gets a fixed share, as from at::parallel_for
+// (its weights stream from memory, and one long run keeps the prefetcher ahead); at a
+// prefill's, the runs come down to a tile or two.
 template <typename F>
 void parallel_tiles(int64_t tiles, int64_t grain, int64_t flops_per_tile, const F& task) {
   constexpr int64_t kClaimFlops = int64_t{1} << 22;
   grain = std::max<int64_t>(1, grain);
   const int64_t tasks = std::clamp<int64_t>((tiles + grain - 1) / grain, 1, at::get_num_threads());
   const int64_t share = (tiles + tasks - 1) / tasks;
-  const int64_t min_chunk =
-      std::clamp<int64_t>(kClaimFlops / std::max<int64_t>(1, flops_per_tile), 1, share);
-  TileClaims claims(tiles, min_chunk, tasks);
+  const int64_t min_chunk = kClaimFlops / std::max<int64_t>(1, flops_per_tile);
+  if (min_chunk >= share) {
+    at::parallel_for(0, tiles, share, [&](int64_t begin, int64_t end) {
+      TileClaims own(begin, end, end - begin, 1);
+      task(own);
+    });
+    return;
+  }
+  TileClaims claims(0, tiles, min_chunk, tasks);
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) task(claims);
   });
