@@ -63,7 +63,8 @@ def test_any_thread_count_gives_the_same_bits(m: int) -> None:
     by whichever thread claims it, with the same arithmetic, so the result is bitwise the
     same on 1 thread as on 2 or 3, and a tile left unclaimed would show as garbage."""
     g = torch.Generator().manual_seed(m)
-    weight, x = torch.randn(3072, 576, generator=g).bfloat16(), torch.randn(m, 576).bfloat16()
+    weight = torch.randn(3072, 576, generator=g).bfloat16()
+    x = torch.randn(m, 576, generator=g).bfloat16()
     tiled = tile_bf16_weight(weight)
     outputs = []
     for n in (1, 2, 3):
