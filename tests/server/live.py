@@ -26,13 +26,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_ready(url: str, timeout: float = 120.0, proc: subprocess.Popen | None = None) -> None:
+def wait_ready(
+    url: str, timeout: float = 120.0, proc: subprocess.Popen | None = None, probe: str = "/ready"
+) -> None:
+    """Until the probe answers 200 (/health: the process is up, perhaps still loading)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
         try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+            if httpx.get(f"{url}{probe}", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -99,7 +102,14 @@ class LiveServer:
 class ServerProcess:
     """`python -m server.cli serve ...` as a subprocess, as a container would run it."""
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None, log: Path | None = None):
+    def __init__(
+        self,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        log: Path | None = None,
+        probe: str = "/ready",
+    ):
+        self.probe = probe  # what entering waits for
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [
@@ -120,7 +130,7 @@ class ServerProcess:
     def __enter__(self) -> ServerProcess:
         out = open(self.log, "wb") if self.log else subprocess.DEVNULL
         self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT)
-        wait_ready(self.url, proc=self.proc)
+        wait_ready(self.url, proc=self.proc, probe=self.probe)
         return self
 
     def __exit__(self, *exc: object) -> None:

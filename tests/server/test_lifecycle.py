@@ -15,7 +15,7 @@ import pytest
 
 from server.runner import LOAD_DELAY_ENV, STEP_DELAY_ENV
 from tests.server.conftest import tiny_engine
-from tests.server.live import LiveServer, ServerProcess, free_port
+from tests.server.live import LiveServer, ServerProcess
 
 TINY_ARGS = ["--dtype", "float32", "--num-kv-blocks", "256", "--max-model-len", "256"]
 
@@ -250,36 +250,15 @@ def test_a_model_that_fails_to_load_ends_the_process(tmp_path: Path) -> None:
 def test_a_signal_while_the_model_loads_exits_at_once(tiny_model_dir: Path, tmp_path: Path) -> None:
     """A pod stopped while it loads (a rollout, a scale-down) exits on SIGTERM without
     waiting for the load to finish: the loading thread must not hold the process."""
-    import os
-    import subprocess
-    import sys
-
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "server.cli", "serve", str(tiny_model_dir), *TINY_ARGS]
-    cmd += ["--host", "127.0.0.1", "--port", str(port)]
     log = tmp_path / "server.log"
-    with open(log, "wb") as out:
-        env = {**os.environ, LOAD_DELAY_ENV: "120"}
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 60
-        while True:  # up and loading: alive, not ready
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        assert httpx.get(f"{url}/ready", timeout=2).status_code == 503
+    args = [str(tiny_model_dir), *TINY_ARGS]
+    with ServerProcess(args, env={LOAD_DELAY_ENV: "120"}, log=log, probe="/health") as server:
+        assert server.proc is not None
+        assert httpx.get(f"{server.url}/ready", timeout=2).status_code == 503  # loading
         signalled = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=60) == 0
         assert time.monotonic() - signalled < 5
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
     text = log.read_text()
     assert "shutdown signal while not serving: exiting now" in text
     assert "Traceback" not in text
