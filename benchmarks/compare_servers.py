@@ -17,7 +17,8 @@ Servers (install the peers in their own venvs, as ../shared/PEERS.md describes):
 Every server gets the same text prompts (llama.cpp's server takes no token ids), and every
 request forbids SmolLM2's end tokens (ids 0 and 2) with logit_bias, since llama.cpp ignores
 ignore_eos. Prints each workload's figures and the ratios against --baseline; writes
-compare.json and each run's JSON and CDF plot to --out. Not a test: nothing is asserted.
+compare.json and each run's JSON and CDF plot to --out. With --floor, also each run's share
+of its compute floor (compute_floor.py). Not a test: nothing is asserted.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
+import compute_floor
 import serve_bench
 
 # serve_bench arguments of each workload, by suite.
@@ -181,6 +183,33 @@ def print_table(results: dict[str, dict[str, dict]], baseline: str) -> None:
             print(f"{name:16s} " + " ".join(cells))
 
 
+def print_floors(
+    results: dict[str, dict[str, dict]], args: argparse.Namespace, gflops: float
+) -> None:
+    """Each run's share of its compute floor (compute_floor.py) at `gflops`. Left out: the
+    shared-prefix runs, whose cache hits skip work that the floor counts, and the single
+    streams, which memory bandwidth bounds, not arithmetic."""
+    config = Path(args.model) / "config.json"
+    if not config.is_file():
+        print(f"\nno compute floor: {config} does not exist (give --model a directory)")
+        return
+    shape = compute_floor.ModelShape.from_config(json.loads(config.read_text()))
+    print(f"\ncompute floor at {gflops:.1f} GFLOP/s (benchmarks/compute_floor.py)")
+    for name, workloads in results.items():
+        for workload in workloads:
+            if workload in ("shared-prefix", "single-stream"):
+                continue
+            try:
+                r = compute_floor.report(args.out / f"{name}-{workload}.json", shape, gflops)
+            except ValueError as exc:
+                print(f"{name:16s} {workload:15s} no floor: {exc}")
+                continue
+            print(
+                f"{name:16s} {workload:15s} {r['output_tokens_per_s']:8.1f} tok/s, floor "
+                f"{r['floor_tokens_per_s']:8.1f} tok/s: {100 * r['share_of_floor']:4.0f}%"
+            )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--suite", choices=list(SUITES), default="serving")
@@ -193,6 +222,17 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--pagedserve-args", default="", help="extra flags for pagedserve serve")
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="also print each run's share of its compute floor (compute_floor.py)",
+    )
+    p.add_argument(
+        "--gflops",
+        type=float,
+        default=None,
+        help="--floor's GEMM rate (default: the higher of two measured, before and after)",
+    )
     args = p.parse_args()
 
     if args.model is None:
@@ -201,6 +241,9 @@ def main() -> None:
         args.model = str(prepare_default_model())
     args.out.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{args.port}"
+    # The machine's GEMM rate drifts: measured before the servers and after them, the
+    # floor takes the higher (the stricter floor).
+    rates = [args.gflops or compute_floor.fastest_gemm_gflops(reps=5)] if args.floor else []
     results: dict[str, dict[str, dict]] = {}
     for name in args.servers or DEFAULT_SERVERS[args.suite]:
         cmd, env = server_command(name, args)
@@ -209,6 +252,10 @@ def main() -> None:
             results[name] = run_workloads(name, args, url)
         (args.out / "compare.json").write_text(json.dumps(results, indent=2))
     print_table(results, args.baseline)
+    if args.floor:
+        rates.append(args.gflops or compute_floor.fastest_gemm_gflops(reps=5))
+        print(f"\nGEMM GFLOP/s before and after the servers: {rates[0]:.1f}, {rates[1]:.1f}")
+        print_floors(results, args, max(rates))
 
 
 if __name__ == "__main__":

@@ -97,6 +97,11 @@ def request_work(shape: ModelShape, prompt_tokens: int, output_tokens: int) -> W
 
 def run_work(shape: ModelShape, requests: list[dict[str, Any]]) -> Work:
     done = [r for r in requests if r.get("error") is None]
+    if any(r["prompt_tokens"] is None for r in done):
+        raise ValueError(
+            "the run has requests with no prompt token count (text prompts to a server whose "
+            "stream reports no usage)"
+        )
     parts = [request_work(shape, r["prompt_tokens"], r["output_tokens"]) for r in done]
     return Work(
         linears=sum(w.linears for w in parts),
@@ -152,7 +157,11 @@ def main() -> None:
     shape = ModelShape.from_config(json.loads((args.model / "config.json").read_text()))
     gflops = args.gflops if args.gflops is not None else fastest_gemm_gflops(args.reps)
     for path in args.runs:
-        r = report(path, shape, gflops)
+        try:
+            r = report(path, shape, gflops)
+        except ValueError as exc:
+            print(f"{path}: no floor: {exc}")
+            continue
         g = r["gflop"]
         print(
             f"{r['label']}: {r['output_tokens']} tokens in {r['wall_s']:.1f} s = "

@@ -33,7 +33,9 @@ import httpx
 
 @dataclass
 class RequestRecord:
-    prompt_tokens: int
+    # The server's count from the stream's usage; else the token ids sent; None for a text
+    # prompt to a server that reports no usage (its characters are not tokens).
+    prompt_tokens: int | None
     output_tokens: int = 0
     ttft: float | None = None
     itls: list[float] = field(default_factory=list)
@@ -64,7 +66,7 @@ def make_prompts(args: argparse.Namespace) -> list[Prompt]:
 async def one_request(
     client: httpx.AsyncClient, args: argparse.Namespace, prompt: Prompt
 ) -> RequestRecord:
-    record = RequestRecord(prompt_tokens=len(prompt))
+    record = RequestRecord(prompt_tokens=None if isinstance(prompt, str) else len(prompt))
     body: dict[str, Any] = {
         "model": args.model,
         "prompt": prompt,
@@ -91,6 +93,7 @@ async def one_request(
                 now = time.perf_counter()
                 if chunk.get("usage"):
                     record.output_tokens = chunk["usage"]["completion_tokens"]
+                    record.prompt_tokens = chunk["usage"]["prompt_tokens"]
                 if not chunk.get("choices") or not chunk["choices"][0].get("text"):
                     continue
                 chunks += 1

@@ -81,3 +81,17 @@ def test_the_report_puts_the_runs_wall_time_against_the_floor(tmp_path: Path) ->
     assert r["floor_s"] == pytest.approx(1.0)
     assert r["share_of_floor"] == pytest.approx(0.5)
     assert r["floor_tokens_per_s"] == pytest.approx(12.0)
+
+
+def test_a_run_without_prompt_token_counts_has_no_floor(tmp_path: Path) -> None:
+    """serve_bench records None for a text prompt to a server that reports no usage (its
+    characters are not tokens): the floor refuses such a run rather than count them."""
+    shape = cf.ModelShape(
+        hidden=8, intermediate=16, layers=2, heads=2, kv_heads=1, head_dim=4, vocab=10
+    )
+    requests = [
+        {"prompt_tokens": 5, "output_tokens": 3, "error": None},
+        {"prompt_tokens": None, "output_tokens": 3, "error": None},
+    ]
+    with pytest.raises(ValueError, match="no prompt token count"):
+        cf.run_work(shape, requests)
