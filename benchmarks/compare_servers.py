@@ -253,8 +253,9 @@ def main() -> None:
         (args.out / "compare.json").write_text(json.dumps(results, indent=2))
     print_table(results, args.baseline)
     if args.floor:
-        rates.append(args.gflops or compute_floor.fastest_gemm_gflops(reps=5))
-        print(f"\nGEMM GFLOP/s before and after the servers: {rates[0]:.1f}, {rates[1]:.1f}")
+        if args.gflops is None:
+            rates.append(compute_floor.fastest_gemm_gflops(reps=5))
+            print(f"\nGEMM GFLOP/s before and after the servers: {rates[0]:.1f}, {rates[1]:.1f}")
         print_floors(results, args, max(rates))
 
 

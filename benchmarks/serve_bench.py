@@ -93,7 +93,7 @@ async def one_request(
                 now = time.perf_counter()
                 if chunk.get("usage"):
                     record.output_tokens = chunk["usage"]["completion_tokens"]
-                    record.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    record.prompt_tokens = chunk["usage"].get("prompt_tokens", record.prompt_tokens)
                 if not chunk.get("choices") or not chunk["choices"][0].get("text"):
                     continue
                 chunks += 1
