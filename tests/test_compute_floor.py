@@ -16,6 +16,11 @@ import compute_floor as cf
 
 from tests.tiny_models import make_config
 
+# A made-up shape for the counting tests that need no model.
+SMALL = cf.ModelShape(
+    hidden=8, intermediate=16, layers=2, heads=2, kv_heads=1, head_dim=4, vocab=10
+)
+
 
 def hf_model(kind: str) -> tuple[torch.nn.Module, dict]:
     from transformers import AutoModelForCausalLM
@@ -52,9 +57,7 @@ def test_a_prefill_counts_as_transformers_forward_does(kind: str) -> None:
 
 
 def test_a_run_counts_each_requests_tokens_and_skips_failed_ones() -> None:
-    shape = cf.ModelShape(
-        hidden=8, intermediate=16, layers=2, heads=2, kv_heads=1, head_dim=4, vocab=10
-    )
+    shape = SMALL
     # The last generated token is never fed back: 5 + 3 - 1 = 7 tokens through the layers.
     one = cf.request_work(shape, 5, 3)
     assert one.linears == 7 * shape.token_flops()
@@ -69,9 +72,7 @@ def test_a_run_counts_each_requests_tokens_and_skips_failed_ones() -> None:
 
 
 def test_the_report_puts_the_runs_wall_time_against_the_floor(tmp_path: Path) -> None:
-    shape = cf.ModelShape(
-        hidden=8, intermediate=16, layers=2, heads=2, kv_heads=1, head_dim=4, vocab=10
-    )
+    shape = SMALL
     requests = [{"prompt_tokens": 5, "output_tokens": 3, "error": None}] * 4
     total = cf.run_work(shape, requests).total
     run = tmp_path / "run.json"
@@ -86,9 +87,7 @@ def test_the_report_puts_the_runs_wall_time_against_the_floor(tmp_path: Path) ->
 def test_a_run_without_prompt_token_counts_has_no_floor(tmp_path: Path) -> None:
     """serve_bench records None for a text prompt to a server that reports no usage (its
     characters are not tokens): the floor refuses such a run rather than count them."""
-    shape = cf.ModelShape(
-        hidden=8, intermediate=16, layers=2, heads=2, kv_heads=1, head_dim=4, vocab=10
-    )
+    shape = SMALL
     requests = [
         {"prompt_tokens": 5, "output_tokens": 3, "error": None},
         {"prompt_tokens": None, "output_tokens": 3, "error": None},
