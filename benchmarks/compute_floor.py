@@ -125,7 +125,7 @@ def fastest_gemm_gflops(reps: int) -> float:
 def report(path: Path, shape: ModelShape, gflops: float) -> dict[str, Any]:
     run = json.loads(path.read_text())
     if "requests" not in run:
-        raise SystemExit(f"{path}: no per-request records (run serve_bench.py with --out)")
+        raise ValueError("no per-request records (run serve_bench.py with --out)")
     work = run_work(shape, run["requests"])
     summary = run["summary"]
     floor_s = work.total / (gflops * 1e9)

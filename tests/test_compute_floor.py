@@ -94,3 +94,12 @@ def test_a_run_without_prompt_token_counts_has_no_floor(tmp_path: Path) -> None:
     ]
     with pytest.raises(ValueError, match="no prompt token count"):
         cf.run_work(shape, requests)
+
+
+def test_a_run_without_per_request_records_has_no_floor(tmp_path: Path) -> None:
+    """Both callers (compute_floor's main and compare_servers --floor) print "no floor" for a
+    ValueError and go on to the next run."""
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"label": "x", "summary": {"output_tokens": 1, "wall_s": 1.0}}))
+    with pytest.raises(ValueError, match="no per-request records"):
+        cf.report(run, SMALL, gflops=1.0)
