@@ -1,33 +1,41 @@
-// One instruction set's paged-attention item kernel (see attention_ops.cpp for the
-// algorithm, kernels.h for how the instruction sets are built and chosen). With AVX-512,
-// the head sizes below run attention_avx512.h, and with AVX2 attention_avx2.h; the others,
-// and every head size in the other sets, run attention_portable.h. bf16 uses AVX512_BF16
-// dot products where the set has them.
+// One instruction set's paged-attention item kernel (attention_ops.cpp has the algorithm's
+// outline, kernels.h how the sets are built and chosen). The item itself is written once,
+// in attention_item.h; this file only picks the set's vector primitives and instantiates
+// it for the head sizes worth a compiled-in vector count. Other head sizes run with the
+// count known at run time, and a head size the set's vector does not divide runs on
+// VecScalar.
 
 #include "attention_common.h"
-#include "attention_portable.h"
+#include "attention_item.h"
 #include "kernels.h"
+#include "simd_portable.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-#define PAGEDSERVE_AVX512 1
-#include "attention_avx512.h"
+#include "simd_avx512.h"
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define PAGEDSERVE_AVX2 1
-#include "attention_avx2.h"
+#include "simd_avx2.h"
 #endif
 
 namespace pagedserve::PAGEDSERVE_ISA {
 
 namespace {
 
-// The item's KV heads one after the other, for the kernels that take one at a time.
-template <typename T, typename Kernel>
-void each_head(const Problem<T>& pb, const WorkItem& item, Scratch& scratch, Kernel kernel) {
-  WorkItem one = item;
-  one.kv_heads = 1;
-  for (int32_t h = 0; h < item.kv_heads; ++h) {
-    one.kv_head = item.kv_head + h;
-    kernel(pb, one, scratch);
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+using Vec = avx512::Vec512Bf16;
+#elif defined(__AVX512F__) && defined(__AVX512BW__)
+using Vec = avx512::Vec512;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+using Vec = avx2::Vec256;
+#else
+using Vec = VecGeneric;
+#endif
+
+template <typename T, int D>
+void item_of_size(const Problem<T>& pb, const WorkItem& item, Scratch& scratch) {
+  if constexpr (D % Vec::W == 0) {
+    run_attention_item<Vec, T, D / Vec::W>(pb, item, scratch);
+  } else {
+    run_attention_item<VecScalar, T, 0>(pb, item, scratch);
   }
 }
 
@@ -35,35 +43,19 @@ void each_head(const Problem<T>& pb, const WorkItem& item, Scratch& scratch, Ker
 
 template <typename T>
 void attention_item(const Problem<T>& pb, const WorkItem& item, Scratch& scratch) {
-#ifdef PAGEDSERVE_AVX512
-  auto kernel = [](const Problem<T>& p, const WorkItem& it, Scratch& s) {
-    switch (p.head_dim) {
-      case 16: return avx512::attention_item<T, 1>(p, it, s);
-      case 32: return avx512::attention_item<T, 2>(p, it, s);
-      case 64: return avx512::attention_item<T, 4>(p, it, s);
-      case 80: return avx512::attention_item<T, 5>(p, it, s);
-      case 96: return avx512::attention_item<T, 6>(p, it, s);
-      case 128: return avx512::attention_item<T, 8>(p, it, s);
-      case 256: return avx512::attention_item<T, 16>(p, it, s);
-      default: return portable::attention_item<T>(p, it, s);
-    }
-  };
-  each_head(pb, item, scratch, kernel);
-#elif defined(PAGEDSERVE_AVX2)
-  switch (pb.head_dim) {  // these take several KV heads at once
-    case 16: return avx2::attention_item<T, 2>(pb, item, scratch);
-    case 32: return avx2::attention_item<T, 4>(pb, item, scratch);
-    case 48: return avx2::attention_item<T, 6>(pb, item, scratch);
-    case 64: return avx2::attention_item<T, 8>(pb, item, scratch);
-    case 80: return avx2::attention_item<T, 10>(pb, item, scratch);
-    case 96: return avx2::attention_item<T, 12>(pb, item, scratch);
-    case 128: return avx2::attention_item<T, 16>(pb, item, scratch);
-    case 256: return avx2::attention_item<T, 32>(pb, item, scratch);
-    default: return each_head(pb, item, scratch, portable::attention_item<T>);
+  switch (pb.head_dim) {
+    case 16: return item_of_size<T, 16>(pb, item, scratch);
+    case 32: return item_of_size<T, 32>(pb, item, scratch);
+    case 48: return item_of_size<T, 48>(pb, item, scratch);
+    case 64: return item_of_size<T, 64>(pb, item, scratch);
+    case 80: return item_of_size<T, 80>(pb, item, scratch);
+    case 96: return item_of_size<T, 96>(pb, item, scratch);
+    case 128: return item_of_size<T, 128>(pb, item, scratch);
+    case 256: return item_of_size<T, 256>(pb, item, scratch);
+    default:
+      if (pb.head_dim % Vec::W == 0) return run_attention_item<Vec, T, 0>(pb, item, scratch);
+      return run_attention_item<VecScalar, T, 0>(pb, item, scratch);
   }
-#else
-  each_head(pb, item, scratch, portable::attention_item<T>);
-#endif
 }
 
 template void attention_item<float>(const Problem<float>&, const WorkItem&, Scratch&);

@@ -20,7 +20,7 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define PAGEDSERVE_AVX512 1
-#include "attention_avx512.h"
+#include "simd_avx512.h"
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define PAGEDSERVE_ELEMENTWISE_AVX2 1
 #include "simd_avx2.h"

@@ -1,10 +1,12 @@
-// The AVX2 set's 8-lane helpers, shared by its elementwise and attention kernels: loads
-// and stores of float32, bfloat16 and float16 as float32 lanes, and exp. Included by those
-// kernels in the AVX2 set only (compiled with AVX2, FMA and F16C).
+// The AVX2 set's 8-lane primitives, shared by its elementwise kernels and the attention
+// algorithm (attention_item.h, written once over the Vec256 struct below): loads and stores
+// of float32, bfloat16 and float16 as float32 lanes, exp and reductions. Included in the
+// AVX2 set only (compiled with AVX2, FMA and F16C).
 #pragma once
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "kernels.h"
@@ -41,7 +43,7 @@ inline void store8(c10::Half* p, __m256 v) {
                    _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
-// exp(x), attention_avx512.h's exp_ps in 8 lanes: the same polynomial, inputs below -87
+// exp(x), simd_avx512.h's exp_ps in 8 lanes: the same polynomial, inputs below -87
 // give ~1e-38, and above 89 (where float32 overflows) inf. AVX2 has no scalef: y * 2^n is
 // two power-of-two factors, exact, so n = 128 still scales a y below 1 to a finite value.
 inline __m256 exp8(__m256 x) {
@@ -66,5 +68,55 @@ inline __m256 exp8(__m256 x) {
   y = _mm256_mul_ps(_mm256_mul_ps(y, f1), f2);
   return _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY), over);
 }
+
+// Lanes below cnt (any int; clamped to 0..8) all ones, the others zero.
+inline __m256 first_lanes(int cnt) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(std::clamp(cnt, 0, 8)), lane));
+}
+
+// The primitives the attention algorithm is written over (attention_item.h says what each
+// must do). 16 vector registers: register blocks of up to 12 accumulators.
+struct Vec256 {
+  using F = __m256;
+  static constexpr int W = 8;
+  static constexpr int kAccRegs = 12;
+  static constexpr bool kBf16Dot = false;
+
+  static F zero() { return _mm256_setzero_ps(); }
+  static F set1(float x) { return _mm256_set1_ps(x); }
+  template <typename S>
+  static F load(const S* p) { return load8(p); }
+  template <typename S>
+  static void store(S* p, F v) { store8(p, v); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F exp(F x) { return exp8(x); }
+  static F keep_first(F x, int cnt) { return _mm256_and_ps(first_lanes(cnt), x); }
+  static float max_first(F x, int cnt) {
+    const __m256 v = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), x, first_lanes(cnt));
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+  }
+  static float reduce_add(F v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+  }
+
+  // Lane j of the result is the horizontal sum of v[j].
+  static F transpose_sum(const F (&v)[W]) {
+    // hadd(a, b) = [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7]
+    const __m256 h01 = _mm256_hadd_ps(v[0], v[1]), h23 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 h45 = _mm256_hadd_ps(v[4], v[5]), h67 = _mm256_hadd_ps(v[6], v[7]);
+    // [v0 v1 v2 v3 lanes 0-3 | the same, lanes 4-7], then v4..v7 likewise
+    const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20),
+                         _mm256_permute2f128_ps(h0123, h4567, 0x31));
+  }
+};
 
 }  // namespace pagedserve::PAGEDSERVE_ISA::avx2

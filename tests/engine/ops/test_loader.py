@@ -75,8 +75,8 @@ def test_a_module_from_other_sources_or_for_another_torch_is_refused(tmp_path: P
     info = dict(torch.ops.pagedserve.build_info())
     edited = tmp_path / "csrc"
     shutil.copytree(CSRC, edited)
-    kernel = edited / "attention_portable.h"
-    kernel.write_text(kernel.read_text().replace("kWidth = 4", "kWidth = 8"))
+    kernel = edited / "attention_item.h"
+    kernel.write_text(kernel.read_text().replace("kChunk % W == 0", "kChunk % W == 1"))
     with pytest.raises(NativeKernelsError, match="built from other sources"):
         check_build_info(info, edited)
     with pytest.raises(NativeKernelsError, match=r"built against torch 2\.0\.0, running"):

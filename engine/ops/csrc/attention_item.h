@@ -1,0 +1,288 @@
+// The paged-attention work item (attention_ops.cpp plans the items and says what they
+// compute), written once for every instruction set over a struct of vector primitives V:
+//
+//   V::F, V::W            a vector of W float32 lanes (W divides kChunk = 16)
+//   kAccRegs              accumulator registers a value block may hold
+//   zero, set1, add, sub, mul, fmadd(a, b, c) = a * b + c
+//   load(p), store(p, v)  W values of float32, bfloat16 or float16 as float32 lanes (store
+//                         rounds to nearest even, as c10 does)
+//   exp(x)                for x <= 0, the Cephes polynomial (inputs below -87 give ~1e-38)
+//   keep_first(x, cnt)    lanes below cnt (any int) kept, the others 0
+//   max_first(x, cnt)     the max of the lanes below cnt; -inf for none
+//   reduce_add(x)         the sum of the lanes, in a fixed order
+//   transpose_sum(v[W])   lane j = reduce_add-like sum of v[j]
+//   kBf16Dot, dot_bf16    where the set has a bf16 dot product (AVX512_BF16): scores of
+//                         bf16 rows without widening them
+//
+// simd_portable.h (VecGeneric, VecScalar), simd_avx2.h (Vec256) and simd_avx512.h
+// (Vec512, Vec512Bf16) define them; attention_kernels.cpp picks one per set and head size.
+// Nothing below knows which.
+//
+// An item may take several KV heads (a decode's, in a batch of many): each chunk's rows of
+// all its heads are then read together, as they lie side by side in the cache. A chunk's
+// keys are widened to float32 once, into scratch, for all query vectors of each head,
+// unless they can be read where they lie (float32 rows of a one-head item, or bf16 rows
+// with the bf16 dot product). Each query vector's scores of W keys are W vectors of
+// partial sums over head_dim, then one transposing sum. Values are read in slices of SV
+// vectors, each multiplied into the accumulators of MB query vectors held in registers.
+// Every query vector's arithmetic is the same whatever else is in its item (register block,
+// other heads, other rows), so a request gives the same result alone, in a batch, or after
+// a shared-prefix item.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+
+#include "attention_common.h"
+
+namespace pagedserve::PAGEDSERVE_ISA {
+
+// Lane j: q . k[j] over `vecs` vectors of W float32 (DV > 0: vecs is DV, known at compile
+// time).
+template <class V, int DV>
+inline typename V::F dot_keys(const float* q, const float* const* k, int64_t vecs) {
+  using F = typename V::F;
+  const int64_t nv = DV > 0 ? DV : vecs;
+  F acc[V::W];
+  const F q0 = V::load(q);
+  for (int j = 0; j < V::W; ++j) acc[j] = V::mul(q0, V::load(k[j]));
+  for (int64_t d = 1; d < nv; ++d) {
+    const F qd = V::load(q + V::W * d);
+    for (int j = 0; j < V::W; ++j) acc[j] = V::fmadd(qd, V::load(k[j] + V::W * d), acc[j]);
+  }
+  return V::transpose_sum(acc);
+}
+
+// acc[mm] = acc[mm] * alpha[mm] + sum_j p[mm][j] * v[j] over the SV vectors at d0, for MB
+// query vectors whose accumulators stay in registers while the keys stream by. float32
+// values are read by the multiply-adds themselves; 16-bit ones are widened once per key.
+template <class V, int MB, int SV, typename S>
+inline void accumulate_slice(float* acc, int64_t D, int64_t d0, const float* p,
+                             const float* alpha, const S* const* v, int n) {
+  using F = typename V::F;
+  F a[MB][SV];
+  for (int mm = 0; mm < MB; ++mm) {
+    const F al = V::set1(alpha[mm]);
+    for (int x = 0; x < SV; ++x) a[mm][x] = V::mul(V::load(acc + mm * D + d0 + V::W * x), al);
+  }
+  for (int j = 0; j < n; ++j) {
+    const S* row = v[j] + d0;
+    if constexpr (std::is_same_v<S, float>) {
+      for (int mm = 0; mm < MB; ++mm) {
+        const F pj = V::set1(p[mm * kChunk + j]);
+        for (int x = 0; x < SV; ++x) a[mm][x] = V::fmadd(pj, V::load(row + V::W * x), a[mm][x]);
+      }
+    } else {
+      F wide[SV];
+      for (int x = 0; x < SV; ++x) wide[x] = V::load(row + V::W * x);
+      for (int mm = 0; mm < MB; ++mm) {
+        const F pj = V::set1(p[mm * kChunk + j]);
+        for (int x = 0; x < SV; ++x) a[mm][x] = V::fmadd(pj, wide[x], a[mm][x]);
+      }
+    }
+  }
+  for (int mm = 0; mm < MB; ++mm) {
+    for (int x = 0; x < SV; ++x) V::store(acc + mm * D + d0 + V::W * x, a[mm][x]);
+  }
+}
+
+// One work item: for each of its KV heads, query vectors m = (row, head in group),
+// 0 <= m < M, against that head's keys, kChunk keys per step. Head hl (from the item's
+// first) keeps its vectors' states in scratch from vector hl * M on, and its widened chunk
+// of keys and values at hl * kChunk rows. head_dim = W * DV (DV = 0: known at run time).
+template <class V, typename T, int DV>
+class AttentionItem {
+  using F = typename V::F;
+  static constexpr int W = V::W;
+  static constexpr int kGroups = kChunk / W;  // score vectors per chunk
+  static_assert(kChunk % W == 0);
+  static constexpr bool kFloat = std::is_same_v<T, float>;
+  static constexpr bool kDotBf16 = V::kBf16Dot && std::is_same_v<T, c10::BFloat16>;
+  using K = std::conditional_t<kDotBf16, c10::BFloat16, float>;  // keys as scored
+  // Value slices of SV vectors, in register blocks of MB query vectors (one fewer where
+  // 16-bit values need registers to be widened into).
+  static constexpr int SV = DV > 0 && DV % 4 == 0 ? 4 : DV > 0 && DV % 2 == 0 ? 2 : 1;
+  static constexpr int kBlockFloat = std::clamp(V::kAccRegs / SV, 1, 4);
+  static constexpr int kBlockWide = std::clamp(V::kAccRegs / SV - 1, 1, 4);
+
+ public:
+  AttentionItem(const Problem<T>& pb, const WorkItem& it, Scratch& s)
+      : pb_(pb), it_(it), s_(s), sp_(span_of(pb, it.req)), keys_(keys_of(sp_, it)),
+        D_(pb.head_dim), NV_(DV > 0 ? DV : pb.head_dim / W),
+        M_((it.row_end - it.row_begin) * pb.group), H_(it.kv_heads),
+        raw_keys_(kDotBf16 || (kFloat && it.kv_heads == 1)) {}
+
+  void run() {
+    for (int64_t hl = 0; hl < H_; ++hl) {
+      load_queries(hl);
+      start_states(pb_, it_, sp_, M_, s_, it_.kv_head + hl, hl * M_);
+    }
+    PageCursor cursor = cursor_for(pb_, sp_, it_.kv_head, keys_.begin);
+    Prefetcher<T> prefetcher{pb_.k_cache, pb_.v_cache, cursor, keys_.end,
+                             H_ * D_ * static_cast<int64_t>(sizeof(T)), keys_.begin};
+    prefetcher.advance_to(keys_.begin);
+    int64_t rows[kChunk];
+    for (int64_t c = keys_.begin; c < keys_.end; c += kChunk) {
+      const int n = static_cast<int>(std::min<int64_t>(kChunk, keys_.end - c));
+      cursor.next_rows(n, rows);
+      prefetcher.advance_to(c + n);
+      if (!raw_keys_) widen_rows(pb_.k_cache, rows, n, s_.k.data());
+      for (int64_t hl = 0; hl < H_; ++hl) softmax_chunk(hl, rows, c, n);
+      accumulate_chunk(rows, n);
+    }
+    for (int64_t hl = 0; hl < H_; ++hl) {
+      if (keys_.save) {
+        save_states(pb_, it_, sp_, M_, s_, it_.kv_head + hl, hl * M_);
+      } else {
+        write_outputs(hl);
+      }
+    }
+  }
+
+ private:
+  int64_t row_of(int64_t m) const { return it_.row_begin + m / pb_.group; }
+  int64_t head_of(int64_t hl, int64_t m) const {
+    return (it_.kv_head + hl) * pb_.group + m % pb_.group;
+  }
+  const T* query(int64_t hl, int64_t m) const {
+    return pb_.q + (sp_.q_begin + row_of(m)) * pb_.q_stride + head_of(hl, m) * D_;
+  }
+
+  // Head hl's query vectors as float32, unless the bf16 dot product reads them in place.
+  void load_queries(int64_t hl) {
+    if constexpr (kDotBf16) return;
+    for (int64_t m = 0; m < M_; ++m) {
+      const T* src = query(hl, m);
+      float* dst = &s_.q[(hl * M_ + m) * D_];
+      for (int64_t d = 0; d < NV_; ++d) V::store(dst + W * d, V::load(src + W * d));
+    }
+  }
+
+  // Lane j: query vector m of head hl against key row k[j].
+  F scores(int64_t hl, int64_t m, const K* const* k) const {
+    if constexpr (kDotBf16) {
+      return V::template dot_bf16<DV>(query(hl, m), k, NV_);
+    } else {
+      return dot_keys<V, DV>(&s_.q[(hl * M_ + m) * D_], k, NV_);
+    }
+  }
+
+  // Scores of head hl's query vectors against the chunk's keys; updates the running max
+  // and sum, leaving p and the accumulator rescale alpha per vector.
+  void softmax_chunk(int64_t hl, const int64_t* rows, int64_t c, int n) {
+    // The keys past n are scored, then masked out: key 0's row again, or whatever the
+    // scratch holds (zeros, or an earlier chunk's keys).
+    const K* k[kChunk];
+    for (int j = 0; j < kChunk; ++j) {
+      k[j] = raw_keys_ ? reinterpret_cast<const K*>(pb_.k_cache) + rows[j < n ? j : 0] + hl * D_
+                       : reinterpret_cast<const K*>(s_.k.data() + (hl * kChunk + j) * D_);
+    }
+    const F scale = V::set1(pb_.scale);
+    for (int64_t m = hl * M_; m < (hl + 1) * M_; ++m) {
+      const int cnt = visible_keys(keys_, sp_.computed, row_of(m - hl * M_), c, n);
+      F p[kGroups];
+      for (int g = 0; g < kGroups; ++g) p[g] = V::zero();
+      s_.alpha[m] = 1.0f;
+      if (cnt > 0) {  // else the whole chunk is in this row's future
+        F sc[kGroups];
+        float chunk_max = kNegInf;
+        for (int g = 0; g < kGroups; ++g) {
+          sc[g] = V::mul(scores(hl, m - hl * M_, k + g * W), scale);
+          chunk_max = std::max(chunk_max, V::max_first(sc[g], cnt - g * W));
+        }
+        const float mx = std::max(s_.row_max[m], chunk_max);
+        F total = V::zero();
+        for (int g = 0; g < kGroups; ++g) {
+          p[g] = V::keep_first(V::exp(V::sub(sc[g], V::set1(mx))), cnt - g * W);
+          total = V::add(total, p[g]);
+        }
+        if (mx != s_.row_max[m]) s_.alpha[m] = std::exp(s_.row_max[m] - mx);
+        s_.row_sum[m] = s_.row_sum[m] * s_.alpha[m] + V::reduce_add(total);
+        s_.row_max[m] = mx;
+      }
+      for (int g = 0; g < kGroups; ++g) V::store(&s_.p[m * kChunk + g * W], p[g]);
+    }
+  }
+
+  // acc = acc * alpha + p.V over the chunk's values, slice by slice, in register blocks.
+  void accumulate_chunk(const int64_t* rows, int n) {
+    // Values widened once serve every register block; with one block of one head,
+    // widening on the fly reads each value once anyway.
+    if (H_ == 1 && (kFloat || M_ <= kBlockWide)) {
+      const T* v[kChunk];
+      for (int j = 0; j < n; ++j) v[j] = pb_.v_cache + rows[j];
+      return accumulate_blocks<T>(0, v, n);
+    }
+    widen_rows(pb_.v_cache, rows, n, s_.v.data());
+    for (int64_t hl = 0; hl < H_; ++hl) {
+      const float* v[kChunk];
+      for (int j = 0; j < n; ++j) v[j] = s_.v.data() + (hl * kChunk + j) * D_;
+      accumulate_blocks<float>(hl, v, n);
+    }
+  }
+
+  template <typename S>
+  void accumulate_blocks(int64_t hl, const S* const* v, int n) {
+    constexpr int MB = std::is_same_v<S, float> ? kBlockFloat : kBlockWide;
+    for (int64_t m = hl * M_; m < (hl + 1) * M_; m += MB) {
+      float* acc = &s_.acc[m * D_];
+      const float* p = &s_.p[m * kChunk];
+      const float* alpha = &s_.alpha[m];
+      const int64_t block = std::min<int64_t>(MB, (hl + 1) * M_ - m);
+      for (int64_t d0 = 0; d0 < D_; d0 += W * SV) {
+        auto slice = [&](auto mb) {
+          accumulate_slice<V, decltype(mb)::value, SV>(acc, D_, d0, p, alpha, v, n);
+        };
+        switch (block) {
+          case 4:
+            if constexpr (MB >= 4) slice(std::integral_constant<int, 4>{});
+            break;
+          case 3:
+            if constexpr (MB >= 3) slice(std::integral_constant<int, 3>{});
+            break;
+          case 2:
+            if constexpr (MB >= 2) slice(std::integral_constant<int, 2>{});
+            break;
+          default: slice(std::integral_constant<int, 1>{}); break;
+        }
+      }
+    }
+  }
+
+  // The chunk's rows of every head of the item, as float32: head hl's row j at
+  // (hl * kChunk + j) * D. They are read in memory order, each key's heads side by side.
+  void widen_rows(const T* base, const int64_t* rows, int n, float* dst) const {
+    for (int j = 0; j < n; ++j) {
+      for (int64_t hl = 0; hl < H_; ++hl) {
+        const T* src = base + rows[j] + hl * D_;
+        float* out = dst + (hl * kChunk + j) * D_;
+        for (int64_t d = 0; d < NV_; ++d) V::store(out + W * d, V::load(src + W * d));
+      }
+    }
+  }
+
+  void write_outputs(int64_t hl) {
+    for (int64_t m = 0; m < M_; ++m) {
+      T* dst = pb_.out + (sp_.q_begin + row_of(m)) * pb_.out_stride + head_of(hl, m) * D_;
+      const F inv = V::set1(1.0f / s_.row_sum[hl * M_ + m]);
+      const float* acc = &s_.acc[(hl * M_ + m) * D_];
+      for (int64_t d = 0; d < NV_; ++d) V::store(dst + W * d, V::mul(V::load(acc + W * d), inv));
+    }
+  }
+
+  const Problem<T>& pb_;
+  const WorkItem& it_;
+  Scratch& s_;
+  const Span sp_;
+  const ItemKeys keys_;
+  const int64_t D_, NV_, M_, H_;
+  const bool raw_keys_;
+};
+
+template <class V, typename T, int DV>
+void run_attention_item(const Problem<T>& pb, const WorkItem& it, Scratch& s) {
+  AttentionItem<V, T, DV>(pb, it, s).run();
+}
+
+}  // namespace pagedserve::PAGEDSERVE_ISA

@@ -1,0 +1,143 @@
+// The AVX-512 sets' 16-lane primitives: loads and stores of float32, bfloat16 and float16
+// as float32 lanes, exp, reductions, and with AVX512_BF16 the bf16 dot product. Included
+// only where the set is compiled with AVX-512 F/BW (kernels.h). The attention algorithm
+// (attention_item.h) is written once over the Vec512 struct below; the elementwise kernels
+// use the free functions.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "kernels.h"
+
+namespace pagedserve::PAGEDSERVE_ISA::avx512 {
+
+inline __m512 load_f32(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_f32(const c10::BFloat16* p) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+}
+inline __m512 load_f32(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+inline void store_f32(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store_f32(c10::BFloat16* p, __m512 v) {
+  // Round to nearest even, as c10::BFloat16 does; NaN stays NaN.
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  r = _mm512_srli_epi32(r, 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7fc0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+inline void store_f32(c10::Half* p, __m512 v) {
+  const __m256i h = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
+}
+
+// exp(x) (Cephes polynomial, ~1 ulp): overflows to inf above ~88.7, and inputs below -87
+// give ~1e-38 rather than denormals or 0, so exp(-inf - m) is never NaN.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(y, n);
+}
+
+// Lanes below cnt (any int; clamped to 0..16).
+inline __mmask16 first_lanes(int cnt) {
+  const int c = std::clamp(cnt, 0, 16);
+  return static_cast<__mmask16>((1u << c) - 1);
+}
+
+// The primitives the attention algorithm is written over (attention_item.h says what each
+// must do). 32 vector registers: register blocks of up to 16 accumulators.
+struct Vec512 {
+  using F = __m512;
+  static constexpr int W = 16;
+  static constexpr int kAccRegs = 16;
+  static constexpr bool kBf16Dot = false;
+
+  static F zero() { return _mm512_setzero_ps(); }
+  static F set1(float x) { return _mm512_set1_ps(x); }
+  template <typename S>
+  static F load(const S* p) { return load_f32(p); }
+  template <typename S>
+  static void store(S* p, F v) { store_f32(p, v); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F exp(F x) { return exp_ps(x); }
+  static F keep_first(F x, int cnt) { return _mm512_maskz_mov_ps(first_lanes(cnt), x); }
+  static float max_first(F x, int cnt) {
+    return _mm512_mask_reduce_max_ps(first_lanes(cnt), x);  // -inf when cnt <= 0
+  }
+  static float reduce_add(F v) { return _mm512_reduce_add_ps(v); }
+
+  // Lane j of the result is the horizontal sum of v[j].
+  static F transpose_sum(const F (&v)[W]) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; ++i) {  // each 128-bit quarter: [a0+a2, b0+b2, a1+a3, b1+b3]
+      a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                           _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    }
+    for (int i = 0; i < 4; ++i) {  // each quarter: [a, b, c, d] partial sums
+      const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+      b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                           _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; ++i) {  // quarters 0+1 and 2+3 of both inputs
+      c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                           _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    }
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
+                         _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+  }
+};
+
+#ifdef __AVX512BF16__
+// Vec512 plus vdpbf16ps: a bf16 dot product whose products are exact in float32.
+struct Vec512Bf16 : Vec512 {
+  static constexpr bool kBf16Dot = true;
+
+  // Lane j: q . k[j] over `vecs` * 16 bf16 elements (vecs may be odd: the last block of
+  // 32 is then half, zero-extended), as float32 partial sums then transpose_sum.
+  template <int DV>
+  static F dot_bf16(const c10::BFloat16* q, const c10::BFloat16* const* k, int64_t vecs) {
+    const int64_t nv = DV > 0 ? DV : vecs, blocks = (nv + 1) / 2;
+    F acc[W];
+    for (int j = 0; j < W; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const bool half = 2 * b + 1 == nv;
+      const __m512i qb = block(q + 32 * b, half);
+      for (int j = 0; j < W; ++j) {
+        acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)qb, (__m512bh)block(k[j] + 32 * b, half));
+      }
+    }
+    return transpose_sum(acc);
+  }
+
+ private:
+  static __m512i block(const c10::BFloat16* p, bool half) {
+    if (half) return _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_loadu_si512(p);
+  }
+};
+#endif  // __AVX512BF16__
+
+}  // namespace pagedserve::PAGEDSERVE_ISA::avx512
