@@ -40,7 +40,7 @@ from engine.structured_output.params import StructuredOutputsParams
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM, StatsListener
     from engine.llm import LLM
-    from engine.worker.worker import describe_setup
+    from engine.worker.worker import check_cpu_kernels, describe_setup
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
@@ -72,6 +72,7 @@ __all__ = [
     "SchedulerStats",
     "StatsListener",
     "StructuredOutputsParams",
+    "check_cpu_kernels",
     "describe_setup",
     "prepare_default_model",
 ]
@@ -86,8 +87,8 @@ def __getattr__(name: str) -> Any:
         from engine import async_llm
 
         return getattr(async_llm, name)
-    if name == "describe_setup":
-        from engine.worker.worker import describe_setup
+    if name in ("check_cpu_kernels", "describe_setup"):
+        from engine.worker import worker
 
-        return describe_setup
+        return getattr(worker, name)
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -63,6 +63,12 @@ class EngineArgs:
     )
     enforce_eager: bool = _arg(False, "CUDA only: run decode steps without CUDA graphs")
     num_threads: int | None = _arg(None, "torch CPU threads (default: the CPUs available)")
+    cpu_isa: str = _arg(
+        "auto",
+        "instruction set of the native CPU kernels, process-wide: auto (the best this CPU "
+        "runs) or a set the build holds and this CPU runs (avx512_bf16, avx512, avx2, "
+        "portable), to step down from a kernel that is wrong on this CPU",
+    )
     quantization: str = _arg(
         "auto",
         "weight-only quantization: int8 (per channel) or int4 (groups) made at load time; gguf "
@@ -149,6 +155,28 @@ class QuantConfig:
 
 
 @dataclass(frozen=True)
+class KernelChoice:
+    """The native CPU kernels' instruction set the engine runs (--cpu-isa), and the sets
+    it could have run; decided by the worker."""
+
+    isa: str | None  # the set every native op runs; None when the kernels are unavailable
+    forced: bool = False  # by --cpu-isa, rather than the best this CPU runs
+    built: tuple[str, ...] = ()  # every set the build holds, best first
+    supported: tuple[str, ...] = ()  # the built sets this CPU runs, best first
+    reason: str = ""  # why the kernels are unavailable
+
+    def facts(self) -> list[tuple[str, str]]:
+        if self.isa is None:
+            return [("native kernels", f"unavailable ({self.reason})")]
+        how = "forced by --cpu-isa" if self.forced else "auto: best this CPU runs"
+        return [
+            ("native kernels", f"{self.isa} ({how})"),
+            ("kernels built", " ".join(self.built)),
+            ("kernels this CPU runs", " ".join(self.supported)),
+        ]
+
+
+@dataclass(frozen=True)
 class DeviceConfig:
     """Decided by the worker from EngineArgs and the machine."""
 
@@ -156,7 +184,7 @@ class DeviceConfig:
     dtype: str  # "float32", "bfloat16" or "float16"
     attention_backend: str  # concrete: "torch", "cpu-native" or "flashinfer"
     attention_reason: str  # why that backend ("requested", "auto: ...")
-    native_kernels: str  # CPU: the kernels' instruction set, or why they are unavailable
+    native_kernels: KernelChoice | None  # CPU: the native kernels; None on CUDA
     num_threads: int  # CPU: torch threads for steps big enough to use them
     # Batch sizes of the captured decode graphs; empty when steps run eagerly.
     cuda_graph_sizes: tuple[int, ...] = ()
@@ -174,8 +202,8 @@ class DeviceConfig:
             ("dtype", self.dtype),
             ("attention", f"{self.attention_backend} ({self.attention_reason})"),
         ]
-        if self.device_type == "cpu":
-            facts.append(("native kernels", self.native_kernels))
+        if self.native_kernels is not None:
+            facts.extend(self.native_kernels.facts())
         facts.append(("torch threads", str(self.num_threads)))
         if self.device_type == "cuda":
             graphs = f"decode batches {list(self.cuda_graph_sizes)}"

@@ -148,6 +148,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ServerSettings, EngineA
 
 
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> NoReturn:
+    from engine import check_cpu_kernels
     from server.runner import run_server
 
     try:
@@ -155,6 +156,10 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> NoRetur
     except ValidationError as exc:
         error = exc.errors()[0]
         parser.error(f"--{str(error['loc'][0]).replace('_', '-')}: {error['msg']}")
+    try:
+        check_cpu_kernels(engine_args)
+    except ValueError as exc:
+        parser.error(str(exc))
     code = run_server(settings, engine_args)
     # The server has stopped and said so. Skip the interpreter's teardown of torch and
     # transformers, which takes seconds on a busy machine and would eat into the pod's
@@ -172,6 +177,7 @@ INFO_OPTIONS = (
     "dtype",
     "attention_backend",
     "num_threads",
+    "cpu_isa",
     "max_num_seqs",
     "enforce_eager",
     "quantization",
@@ -209,7 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     info = commands.add_parser(
         "info",
         help="print what `serve` would run on this machine with these settings: device, dtype, "
-        "attention backend and why, native kernels, threads, quantization",
+        "attention backend and why, native kernels (the instruction set in use, those built "
+        "and those this CPU runs), threads, quantization",
     )
     for option in engine_options():
         if option.name in INFO_OPTIONS:

@@ -6,6 +6,9 @@ missing (a checkout that was never built), cannot load, was built against anothe
 or was built from other sources than the csrc/ beside it (a checkout edited since its
 last build). Then `auto` runs the torch attention backend and the torch elementwise ops,
 and the error log says so.
+
+Every native op runs the kernels of one instruction set, process-wide: the best this CPU
+runs, unless select_cpu_isa (the engine's --cpu-isa) picked another that it runs.
 """
 
 from __future__ import annotations
@@ -34,18 +37,26 @@ class NativeKernelsError(RuntimeError):
 
 @dataclass(frozen=True)
 class NativeKernels:
-    """The native kernels of this process: the instruction set in use, or why there is none."""
+    """What the native kernels offer this process, or why there are none."""
 
-    isa: str | None  # "avx512_bf16", "avx512" or "portable"; None when unavailable
+    best: str | None  # the best set this CPU runs ("avx2", ...); None when unavailable
     supported: tuple[str, ...] = ()  # the sets this build holds and this CPU runs, best first
     reason: str = ""  # why unavailable
+    built: tuple[str, ...] = ()  # every set this build holds, best first
 
     @property
     def available(self) -> bool:
-        return self.isa is not None
+        return self.best is not None
+
+    @property
+    def isa(self) -> str | None:
+        """The set every native op runs now: `best`, or what select_cpu_isa picked. Asked
+        of the module each time, as the selection may change; None when unavailable."""
+        return str(torch.ops.pagedserve.cpu_isa()) if self.available else None
 
     def describe(self) -> str:
-        return self.isa if self.isa is not None else f"unavailable ({self.reason})"
+        isa = self.isa
+        return isa if isa is not None else f"unavailable ({self.reason})"
 
 
 def module_path(directory: Path = MODULE_DIR) -> Path:
@@ -79,17 +90,54 @@ def _load() -> NativeKernels:
         raise NativeKernelsError(f"{path.name} does not load ({error}); {_REBUILD}") from error
     ops = torch.ops.pagedserve
     check_build_info(dict(ops.build_info()))
-    return NativeKernels(ops.cpu_isa(), tuple(ops.supported_isas()))
+    supported = tuple(ops.supported_isas())
+    return NativeKernels(supported[0], supported, built=tuple(ops.built_isas()))
 
 
 @functools.cache
 def native_kernels() -> NativeKernels:
     """Loads the module once per process (loading registers its ops for good) and says
-    what it offers. Logs an error when the kernels cannot be used."""
+    what it offers; `isa` says which set runs now. Logs an error when the kernels cannot be
+    used."""
     try:
         kernels = _load()
     except NativeKernelsError as error:
         logger.error("native CPU kernels unavailable: %s", error)
         return NativeKernels(None, reason=str(error))
-    logger.info("native CPU kernels: %s (of %s)", kernels.isa, ", ".join(kernels.supported))
+    logger.info(
+        "native CPU kernels: this CPU runs %s (built: %s)",
+        ", ".join(kernels.supported),
+        ", ".join(kernels.built),
+    )
     return kernels
+
+
+def check_cpu_isa(name: str) -> None:
+    """Raises ValueError, naming the choices, unless select_cpu_isa(name) can run here:
+    "auto", or a set this build holds and this CPU runs (any set but "auto" when the kernels
+    are unavailable)."""
+    if name == "auto":
+        return
+    kernels = native_kernels()
+    if not kernels.available:
+        raise ValueError(
+            f"--cpu-isa {name}: the native CPU kernels are unavailable ({kernels.reason})"
+        )
+    if name not in kernels.supported:
+        if name in kernels.built:
+            problem = f"this CPU lacks {name}; it runs"
+        else:
+            problem = f"this build has no {name}; this CPU runs"
+        raise ValueError(
+            f"--cpu-isa {name}: {problem} {', '.join(kernels.supported)} "
+            f"(built: {', '.join(kernels.built)})"
+        )
+
+
+def select_cpu_isa(name: str) -> None:
+    """Makes every native op of this process run the kernels of instruction set `name`
+    from now on; "auto" runs the best this CPU runs. Switch between steps, never while
+    kernels run. Raises ValueError as check_cpu_isa does."""
+    check_cpu_isa(name)
+    if native_kernels().available:
+        torch.ops.pagedserve.select_cpu_isa(name)

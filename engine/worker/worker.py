@@ -28,8 +28,9 @@ from engine.models.layers import TILED_BF16_ISAS
 from engine.models.llama import DecoderModel
 from engine.models.loader import load_model
 from engine.models.parallel import Shard, TensorParallelDecoder, shard_arch
-from engine.ops.loader import native_kernels
+from engine.ops.loader import native_kernels, select_cpu_isa
 from engine.utils import cdiv
+from engine.worker.cpu_kernels import check_kernels, resolve_kernels
 from engine.worker.cuda_graphs import CudaGraphConfig, capture_sizes
 from engine.worker.memory_profiler import MemoryProfile, profile_gpu_memory
 from engine.worker.model_runner import ModelRunner
@@ -93,12 +94,22 @@ def available_cpus(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
     return min(count, limit)
 
 
+def check_cpu_kernels(args: EngineArgs) -> None:
+    """Raises ValueError, naming the choices, when an engine made from `args` would refuse
+    its --cpu-isa here; selects nothing. A server calls it to refuse the setting before it
+    starts, rather than when the model loads."""
+    if args.cpu_isa != "auto":
+        check_kernels(args.cpu_isa, resolve_device(args.device))
+
+
 def resolve_device_config(args: EngineArgs) -> DeviceConfig:
     """Device, dtype, attention backend, native kernels and threads: what runs here. Loads
-    the native CPU kernels (on CPU) and may import flashinfer (on CUDA); raises ValueError
-    for settings this machine cannot run."""
+    the native CPU kernels (on CPU), selecting their instruction set for the whole process,
+    and may import flashinfer (on CUDA); raises ValueError for settings this machine cannot
+    run."""
     device = resolve_device(args.device)
     check_parallel_devices(args.tensor_parallel_size, device)
+    kernels = resolve_kernels(args.cpu_isa, device)
     dtype = resolve_dtype(args.dtype, device)
     backend = resolve_backend(args.attention_backend, device, dtype)
     sizes, graphs_off = cuda_graph_plan(args, device, backend.name)
@@ -109,7 +120,7 @@ def resolve_device_config(args: EngineArgs) -> DeviceConfig:
         dtype=str(dtype).removeprefix("torch."),
         attention_backend=backend.name,
         attention_reason=backend.reason,
-        native_kernels=native_kernels().describe() if device.type == "cpu" else "",
+        native_kernels=kernels,
         num_threads=threads,
         cuda_graph_sizes=sizes,
         cuda_graphs_off=graphs_off,
@@ -130,7 +141,11 @@ def check_parallel_devices(size: int, device: torch.device) -> None:
 def load_shard(
     args: EngineArgs, model: ModelConfig, device: DeviceConfig, rank: int, size: int
 ) -> TensorParallelDecoder:
-    """Rank `rank`'s shard of the model's float weights, on its device."""
+    """Rank `rank`'s shard of the model's float weights, on its device (in a rank's own
+    process, with the native kernels rank 0 chose)."""
+    kernels = device.native_kernels
+    if kernels is not None and kernels.isa is not None:
+        select_cpu_isa(kernels.isa)
     shard = Shard(rank, size)
 
     def cut(full: DecoderModel) -> DecoderModel:

@@ -33,11 +33,14 @@ def test_info_prints_what_runs_on_this_cpu(default_model_dir: Path) -> None:
     assert result.returncode == 0, result.stderr
     from engine.ops.loader import native_kernels
 
+    kernels = native_kernels()
     assert facts(result.stdout) == {
         "device": "cpu",
         "dtype": "float32",
         "attention": "cpu-native (auto: the native CPU kernels load)",
-        "native kernels": str(native_kernels().isa),
+        "native kernels": f"{kernels.best} (auto: best this CPU runs)",
+        "kernels built": " ".join(kernels.built),
+        "kernels this CPU runs": " ".join(kernels.supported),
         "torch threads": "1",
         "quantization": "GGUF as stored, dense copy for steps of over 4 tokens",
     }
@@ -47,10 +50,13 @@ def test_info_prints_what_runs_on_this_cpu(default_model_dir: Path) -> None:
 
 
 def test_the_startup_log_line_says_the_same(tiny_model_dir: Path, tmp_path: Path) -> None:
-    expected = facts(info(str(tiny_model_dir), *SETTINGS).stdout)
+    """Also with a forced instruction set, which `serve` applies as `info` does."""
+    settings = [*SETTINGS, "--cpu-isa", "portable"]
+    expected = facts(info(str(tiny_model_dir), *settings).stdout)
     assert expected["quantization"] == "none"
+    assert expected["native kernels"] == "portable (forced by --cpu-isa)"
     log = tmp_path / "server.log"
-    args = [str(tiny_model_dir), *SETTINGS, "--num-kv-blocks", "64", "--max-model-len", "256"]
+    args = [str(tiny_model_dir), *settings, "--num-kv-blocks", "64", "--max-model-len", "256"]
     with ServerProcess(args, log=log):
         pass
     [line] = [ln for ln in log.read_text().splitlines() if "engine: " in ln]
@@ -72,3 +78,36 @@ def test_info_reads_the_environment_and_refuses_what_cannot_run() -> None:
 def test_info_takes_only_the_settings_it_reports(flag: str) -> None:
     result = info(flag, "8000")
     assert result.returncode == 2 and "unrecognized arguments" in result.stderr
+
+
+def test_the_flag_and_the_environment_force_an_instruction_set(tiny_model_dir: Path) -> None:
+    forced = "native kernels: portable (forced by --cpu-isa)"
+    flag = info(str(tiny_model_dir), *SETTINGS, "--cpu-isa", "portable")
+    assert flag.returncode == 0, flag.stderr
+    assert forced in flag.stdout.splitlines()
+    env = info(str(tiny_model_dir), *SETTINGS, env={"PAGEDSERVE_CPU_ISA": "portable"})
+    assert forced in env.stdout.splitlines(), env.stderr
+
+
+def test_a_set_that_cannot_run_here_exits_2_naming_the_choices(tiny_model_dir: Path) -> None:
+    """An unknown set, and every built set this CPU lacks (none on a CPU that runs them
+    all), from `info` and from `serve`, which refuses it before it loads anything."""
+    from engine.ops.loader import native_kernels
+
+    kernels = native_kernels()
+    choices = f"{', '.join(kernels.supported)} (built: {', '.join(kernels.built)})"
+    unknown = info(str(tiny_model_dir), "--cpu-isa", "sse9")
+    assert unknown.returncode == 2
+    assert f"--cpu-isa sse9: this build has no sse9; this CPU runs {choices}" in unknown.stderr
+    for isa in (isa for isa in kernels.built if isa not in kernels.supported):
+        lacking = info(str(tiny_model_dir), env={"PAGEDSERVE_CPU_ISA": isa})
+        assert lacking.returncode == 2
+        assert f"--cpu-isa {isa}: this CPU lacks {isa}; it runs {choices}" in lacking.stderr
+    serve = subprocess.run(
+        [sys.executable, "-m", "server.cli", "serve", str(tiny_model_dir), "--cpu-isa", "sse9"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert serve.returncode == 2
+    assert "pagedserve serve: error: --cpu-isa sse9: this build has no sse9" in serve.stderr

@@ -1,11 +1,13 @@
 // Which instruction set's kernels run (kernels.h): the best one this CPU supports, found
 // once from its CPUID features (with the OS's support for the AVX-512 registers, which
-// __builtin_cpu_supports checks too). Also the ops that say what this build holds.
+// __builtin_cpu_supports checks too), unless select_cpu_isa picked another this CPU runs.
+// Also the ops that say what this build holds.
 
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 #include <torch/version.h>
 
+#include <atomic>
 #include <string>
 #include <vector>
 
@@ -57,7 +59,7 @@ struct IsaEntry {
 };
 
 // Best first.
-const std::vector<IsaEntry>& built_isas() {
+const std::vector<IsaEntry>& isa_table() {
   static const std::vector<IsaEntry> isas = {
 #ifdef PAGEDSERVE_WITH_X86_ISAS
       {PAGEDSERVE_KERNELS("avx512_bf16", isa_avx512_bf16), &has_avx512_bf16},
@@ -71,31 +73,21 @@ const std::vector<IsaEntry>& built_isas() {
 
 std::vector<std::string> supported_isas() {
   std::vector<std::string> names;
-  for (const IsaEntry& entry : built_isas()) {
+  for (const IsaEntry& entry : isa_table()) {
     if (entry.supported()) names.emplace_back(entry.kernels.isa);
   }
   return names;
 }
 
-std::string cpu_isa() { return active_kernels().isa; }
-
-c10::Dict<std::string, std::string> build_info() {
-  c10::Dict<std::string, std::string> info;
-  info.insert("sources_sha256", PAGEDSERVE_STRING(PAGEDSERVE_SOURCES_SHA256));
-  info.insert("torch", TORCH_VERSION);
-  std::string built;
-  for (const IsaEntry& entry : built_isas()) {
-    built += (built.empty() ? "" : " ") + std::string(entry.kernels.isa);
-  }
-  info.insert("isas", built);
-  return info;
+std::vector<std::string> built_isas() {
+  std::vector<std::string> names;
+  for (const IsaEntry& entry : isa_table()) names.emplace_back(entry.kernels.isa);
+  return names;
 }
 
-}  // namespace
-
-const Kernels& active_kernels() {
+const Kernels& best_kernels() {
   static const Kernels& best = [] () -> const Kernels& {
-    for (const IsaEntry& entry : built_isas()) {
+    for (const IsaEntry& entry : isa_table()) {
       if (entry.supported()) return entry.kernels;
     }
     TORCH_CHECK(false, "no instruction set of the native kernels runs on this CPU");
@@ -103,8 +95,39 @@ const Kernels& active_kernels() {
   return best;
 }
 
+// What active_kernels() returns: every op reads it once per call, so a switch between
+// steps takes effect at the next op.
+std::atomic<const Kernels*>& selected() {
+  static std::atomic<const Kernels*> kernels{&best_kernels()};
+  return kernels;
+}
+
+std::string cpu_isa() { return active_kernels().isa; }
+
+// Makes every op run `isa`'s kernels ("auto": the best this CPU runs); returns the set now
+// in use. Raises for a set this build lacks or this CPU cannot run.
+std::string select_cpu_isa(const std::string& isa) {
+  const Kernels& kernels = isa == "auto" ? best_kernels() : kernels_named(isa);
+  selected().store(&kernels, std::memory_order_release);
+  return kernels.isa;
+}
+
+c10::Dict<std::string, std::string> build_info() {
+  c10::Dict<std::string, std::string> info;
+  info.insert("sources_sha256", PAGEDSERVE_STRING(PAGEDSERVE_SOURCES_SHA256));
+  info.insert("torch", TORCH_VERSION);
+  std::string built;
+  for (const std::string& name : built_isas()) built += (built.empty() ? "" : " ") + name;
+  info.insert("isas", built);
+  return info;
+}
+
+}  // namespace
+
+const Kernels& active_kernels() { return *selected().load(std::memory_order_acquire); }
+
 const Kernels& kernels_named(const std::string& isa) {
-  for (const IsaEntry& entry : built_isas()) {
+  for (const IsaEntry& entry : isa_table()) {
     if (isa != entry.kernels.isa) continue;
     TORCH_CHECK(entry.supported(), "this CPU cannot run the ", isa, " kernels");
     return entry.kernels;
@@ -117,5 +140,7 @@ const Kernels& kernels_named(const std::string& isa) {
 TORCH_LIBRARY(pagedserve, m) {
   m.def("cpu_isa() -> str", &pagedserve::cpu_isa);
   m.def("supported_isas() -> str[]", &pagedserve::supported_isas);
+  m.def("built_isas() -> str[]", &pagedserve::built_isas);
+  m.def("select_cpu_isa(str isa) -> str", &pagedserve::select_cpu_isa);
   m.def("build_info() -> Dict(str, str)", &pagedserve::build_info);
 }

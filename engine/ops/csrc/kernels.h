@@ -291,7 +291,8 @@ void dispatch_dtype(c10::ScalarType dtype, const char* op, F&& f) {
   }
 }
 
-// The kernels this CPU runs best (chosen once, from its features).
+// The kernels the ops run: those this CPU runs best (chosen once, from its features), or
+// the set the op select_cpu_isa picked (dispatch.cpp).
 const Kernels& active_kernels();
 
 // The kernels of the named instruction set; raises (TORCH_CHECK) when this build lacks

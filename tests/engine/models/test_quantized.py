@@ -25,6 +25,7 @@ from engine.models.quantized import (
     unpack_nibbles,
 )
 from engine.ops.loader import native_kernels
+from tests.isas import isa_params
 from tests.threads import torch_threads
 
 N, K = 200, 576  # N is not a multiple of the 16-row tile: the padding is exercised too
@@ -32,9 +33,10 @@ FORMATS = ("int8", "int4-g32", "int4-g64", "Q4_0", "Q4_1", "Q8_0")
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 4e-3}  # of the output's max magnitude
 
 
-# Every instruction set of the native kernels this CPU runs: each has its own quantized path
-# (bfloat16 dot products, float32 AVX-512, portable loops).
-ISAS = tuple(native_kernels().supported)
+# Every instruction set of the native kernels built (those this CPU lacks are skipped, and
+# say so): each has its own quantized path (bfloat16 dot products, float32 AVX-512, portable
+# loops).
+ISAS = isa_params()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -64,7 +66,9 @@ def relative_error(y: torch.Tensor, reference: torch.Tensor) -> float:
 # The vector kernels at every step shape; the portable loops (also what the AVX2 set runs)
 # on decode-sized ones, where they are fast enough to test.
 KERNEL_CASES = [
-    (isa, m) for isa in ISAS for m in ((1, 7, 64, 513) if isa.startswith("avx512") else (1, 7, 64))
+    pytest.param(isa.values[0], m, id=f"{isa.id}-{m}", marks=isa.marks)
+    for isa in ISAS
+    for m in ((1, 7, 64, 513) if str(isa.id).startswith("avx512") else (1, 7, 64))
 ]
 
 

@@ -1,6 +1,6 @@
 """The bfloat16 linear kernel (engine/ops/csrc/bf16_linear_kernels.cpp: the dot product with
 AVX512_BF16, float32 FMAs with AVX2) against a dense float64 reference, in every instruction
-set this CPU runs, and the layers that use it."""
+set built (those this CPU lacks are skipped, and say so), and the layers that use it."""
 
 from __future__ import annotations
 
@@ -16,11 +16,12 @@ from engine.models.layers import (
     tiled_linear,
 )
 from engine.ops.loader import native_kernels
+from tests.isas import isa_params
 from tests.threads import torch_threads
 
 pytestmark = pytest.mark.skipif(not native_kernels().available, reason="no native kernels")
 
-ISAS = list(native_kernels().supported)
+ISAS = isa_params()
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
