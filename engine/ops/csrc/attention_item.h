@@ -11,8 +11,9 @@
 //   max_first(x, cnt)     the max of the lanes below cnt; -inf for none
 //   reduce_add(x)         the sum of the lanes, in a fixed order
 //   transpose_sum(v[W])   lane j = reduce_add-like sum of v[j]
-//   kBf16Dot, dot_bf16    where the set has a bf16 dot product (AVX512_BF16): scores of
-//                         bf16 rows without widening them
+//   kBf16Dot, dot_bf16,   where the set has a bf16 dot product (AVX512_BF16): scores of
+//   accumulate_bf16       bf16 rows, and p.V with p rounded to bf16, without widening
+//                         them; acc stays in natural lane order
 //
 // simd_portable.h (VecGeneric, VecScalar), simd_avx2.h (Vec256) and simd_avx512.h
 // (Vec512, Vec512Bf16) define them; attention_kernels.cpp picks one per set and head size.
@@ -87,6 +88,27 @@ inline void accumulate_slice(float* acc, int64_t D, int64_t d0, const float* p,
   }
 }
 
+// Calls f(std::integral_constant<int, mb>{}, m) over query vectors begin..end in register
+// blocks of MB (at most 4), the last one smaller.
+template <int MB, typename Fn>
+inline void for_register_blocks(int64_t begin, int64_t end, Fn&& f) {
+  static_assert(MB >= 1 && MB <= 4);
+  for (int64_t m = begin; m < end; m += MB) {
+    switch (std::min<int64_t>(MB, end - m)) {
+      case 4:
+        if constexpr (MB >= 4) f(std::integral_constant<int, 4>{}, m);
+        break;
+      case 3:
+        if constexpr (MB >= 3) f(std::integral_constant<int, 3>{}, m);
+        break;
+      case 2:
+        if constexpr (MB >= 2) f(std::integral_constant<int, 2>{}, m);
+        break;
+      default: f(std::integral_constant<int, 1>{}, m); break;
+    }
+  }
+}
+
 // One work item: for each of its KV heads, query vectors m = (row, head in group),
 // 0 <= m < M, against that head's keys, kChunk keys per step. Head hl (from the item's
 // first) keeps its vectors' states in scratch from vector hl * M on, and its widened chunk
@@ -100,6 +122,10 @@ class AttentionItem {
   static constexpr bool kFloat = std::is_same_v<T, float>;
   static constexpr bool kDotBf16 = V::kBf16Dot && std::is_same_v<T, c10::BFloat16>;
   using K = std::conditional_t<kDotBf16, c10::BFloat16, float>;  // keys as scored
+  // bf16 values through the dot product, in slices of NB blocks of 32 values.
+  static constexpr bool kDotValues = kDotBf16 && DV > 0 && DV % 2 == 0;
+  static constexpr int NB = DV % 4 == 0 ? 2 : 1;
+  static constexpr int kBlockBf16 = std::clamp(V::kAccRegs / (2 * NB), 1, 4);
   // Value slices of SV vectors, in register blocks of MB query vectors (one fewer where
   // 16-bit values need registers to be widened into).
   static constexpr int SV = DV > 0 && DV % 4 == 0 ? 4 : DV > 0 && DV % 2 == 0 ? 2 : 1;
@@ -202,11 +228,23 @@ class AttentionItem {
         s_.row_max[m] = mx;
       }
       for (int g = 0; g < kGroups; ++g) V::store(&s_.p[m * kChunk + g * W], p[g]);
+      if constexpr (kDotValues) {
+        auto* p16 = reinterpret_cast<c10::BFloat16*>(s_.p16.data());
+        for (int g = 0; g < kGroups; ++g) V::store(p16 + m * kChunk + g * W, p[g]);
+      }
     }
   }
 
   // acc = acc * alpha + p.V over the chunk's values, slice by slice, in register blocks.
   void accumulate_chunk(const int64_t* rows, int n) {
+    if constexpr (kDotValues) {
+      for (int64_t hl = 0; hl < H_; ++hl) {
+        const c10::BFloat16* v[kChunk];
+        for (int j = 0; j < n; ++j) v[j] = pb_.v_cache + rows[j] + hl * D_;
+        accumulate_bf16_blocks(hl, v, n);
+      }
+      return;
+    }
     // Values widened once serve every register block; with one block of one head,
     // widening on the fly reads each value once anyway.
     if (H_ == 1 && (kFloat || M_ <= kBlockWide)) {
@@ -225,28 +263,23 @@ class AttentionItem {
   template <typename S>
   void accumulate_blocks(int64_t hl, const S* const* v, int n) {
     constexpr int MB = std::is_same_v<S, float> ? kBlockFloat : kBlockWide;
-    for (int64_t m = hl * M_; m < (hl + 1) * M_; m += MB) {
-      float* acc = &s_.acc[m * D_];
-      const float* p = &s_.p[m * kChunk];
-      const float* alpha = &s_.alpha[m];
-      const int64_t block = std::min<int64_t>(MB, (hl + 1) * M_ - m);
+    for_register_blocks<MB>(hl * M_, (hl + 1) * M_, [&](auto mb, int64_t m) {
       for (int64_t d0 = 0; d0 < D_; d0 += W * SV) {
-        auto slice = [&](auto mb) {
-          accumulate_slice<V, decltype(mb)::value, SV>(acc, D_, d0, p, alpha, v, n);
-        };
-        switch (block) {
-          case 4:
-            if constexpr (MB >= 4) slice(std::integral_constant<int, 4>{});
-            break;
-          case 3:
-            if constexpr (MB >= 3) slice(std::integral_constant<int, 3>{});
-            break;
-          case 2:
-            if constexpr (MB >= 2) slice(std::integral_constant<int, 2>{});
-            break;
-          default: slice(std::integral_constant<int, 1>{}); break;
-        }
+        accumulate_slice<V, decltype(mb)::value, SV>(&s_.acc[m * D_], D_, d0,
+                                                      &s_.p[m * kChunk], &s_.alpha[m], v, n);
       }
+    });
+  }
+
+  void accumulate_bf16_blocks(int64_t hl, const c10::BFloat16* const* v, int n) {
+    if constexpr (kDotValues) {
+      const auto* p16 = reinterpret_cast<const c10::BFloat16*>(s_.p16.data());
+      for_register_blocks<kBlockBf16>(hl * M_, (hl + 1) * M_, [&](auto mb, int64_t m) {
+        for (int64_t d0 = 0; d0 < D_; d0 += 32 * NB) {
+          V::template accumulate_bf16<decltype(mb)::value, NB>(
+              &s_.acc[m * D_], D_, d0, p16 + m * kChunk, &s_.alpha[m], v, n);
+        }
+      });
     }
   }
 

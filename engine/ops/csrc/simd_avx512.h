@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "kernels.h"
@@ -130,6 +131,54 @@ struct Vec512Bf16 : Vec512 {
       }
     }
     return transpose_sum(acc);
+  }
+
+  // acc[mm] = acc[mm] * alpha[mm] + sum_j p[mm][j] * v[j] over the 32 * NB values at d0,
+  // with bf16 p and values, two keys per vdpbf16ps. Interleaving rows j and j + 1 (unpack)
+  // leaves values 0-3, 8-11, 16-19, 24-27 of each block of 32 in one accumulator and 4-7,
+  // 12-15, ... in the other: the accumulators are put in that order when loaded and back
+  // in natural order when stored, so acc is in natural order outside this function.
+  template <int MB, int NB>
+  static void accumulate_bf16(float* acc, int64_t D, int64_t d0, const c10::BFloat16* p,
+                              const float* alpha, const c10::BFloat16* const* v, int n) {
+    __m512 lo[MB][NB], hi[MB][NB];
+    for (int mm = 0; mm < MB; ++mm) {
+      const __m512 al = _mm512_set1_ps(alpha[mm]);
+      for (int b = 0; b < NB; ++b) {
+        const float* a = acc + mm * D + d0 + 32 * b;
+        const __m512 first = _mm512_loadu_ps(a), second = _mm512_loadu_ps(a + 16);
+        lo[mm][b] = _mm512_mul_ps(_mm512_shuffle_f32x4(first, second, 0x88), al);
+        hi[mm][b] = _mm512_mul_ps(_mm512_shuffle_f32x4(first, second, 0xDD), al);
+      }
+    }
+    for (int j = 0; j < n; j += 2) {
+      const c10::BFloat16* r0 = v[j] + d0;
+      const c10::BFloat16* r1 = (j + 1 < n ? v[j + 1] : v[j]) + d0;  // then its p is 0
+      __m512i ul[NB], uh[NB];
+      for (int b = 0; b < NB; ++b) {
+        const __m512i x = _mm512_loadu_si512(r0 + 32 * b), y = _mm512_loadu_si512(r1 + 32 * b);
+        ul[b] = _mm512_unpacklo_epi16(x, y);
+        uh[b] = _mm512_unpackhi_epi16(x, y);
+      }
+      for (int mm = 0; mm < MB; ++mm) {
+        int32_t pair;
+        std::memcpy(&pair, p + mm * kChunk + j, sizeof(pair));
+        const __m512bh pp = (__m512bh)_mm512_set1_epi32(pair);
+        for (int b = 0; b < NB; ++b) {
+          lo[mm][b] = _mm512_dpbf16_ps(lo[mm][b], (__m512bh)ul[b], pp);
+          hi[mm][b] = _mm512_dpbf16_ps(hi[mm][b], (__m512bh)uh[b], pp);
+        }
+      }
+    }
+    for (int mm = 0; mm < MB; ++mm) {
+      for (int b = 0; b < NB; ++b) {
+        const __m512 t0 = _mm512_shuffle_f32x4(lo[mm][b], hi[mm][b], 0x44);  // lo0 lo1 hi0 hi1
+        const __m512 t1 = _mm512_shuffle_f32x4(lo[mm][b], hi[mm][b], 0xEE);  // lo2 lo3 hi2 hi3
+        float* a = acc + mm * D + d0 + 32 * b;
+        _mm512_storeu_ps(a, _mm512_shuffle_f32x4(t0, t0, 0xD8));  // lo0 hi0 lo1 hi1
+        _mm512_storeu_ps(a + 16, _mm512_shuffle_f32x4(t1, t1, 0xD8));
+      }
+    }
   }
 
  private:
