@@ -70,6 +70,17 @@ PageCursor cursor_for(const Problem<T>& pb, const Span& sp, int64_t kv_head, int
   return cursor;
 }
 
+// Where row j of a chunk lies: rows[j] elements from base (rows in the cache), or, without
+// rows, j * stride from base (a chunk widened into scratch, whose fixed stride the
+// addressing takes for free once the kernel is inlined with a constant stride).
+template <typename S>
+struct ChunkRows {
+  const S* base;
+  const int64_t* rows;
+  int64_t stride;
+  const S* operator[](int j) const { return rows != nullptr ? base + rows[j] : base + j * stride; }
+};
+
 // Keys whose K/V rows are requested ahead of the compute, into L2. With AVX-512, decodes
 // over a 64 x 250 batch ran 25-30% faster than with 32 keys into L1, and 64-512 keys all
 // did about as well (benchmarks/attention_cpu.py); on an AVX2 machine (Zen 3), 0 to 256

@@ -8,8 +8,9 @@
 //                         rounds to nearest even, as c10 does)
 //   exp(x)                for x <= 0, the Cephes polynomial (inputs below -87 give ~1e-38)
 //   keep_first(x, cnt)    lanes below cnt (any int) kept, the others 0
-//   max_first(x, cnt)     the max of the lanes below cnt; -inf for none
-//   reduce_add(x)         the sum of the lanes, in a fixed order
+//   low_first(x, cnt)     lanes below cnt kept, the others -inf
+//   max(a, b), reduce_max(x), reduce_add(x)   lane-wise max; the lanes' max and sum (the
+//                         sum in a fixed order)
 //   transpose_sum(v[W])   lane j = reduce_add-like sum of v[j]
 //   kBf16Dot, dot_bf16,   where the set has a bf16 dot product (AVX512_BF16): scores of
 //   accumulate_bf16       bf16 rows, and p.V with p rounded to bf16, without widening
@@ -22,8 +23,8 @@
 // An item may take several KV heads (a decode's, in a batch of many): each chunk's rows of
 // all its heads are then read together, as they lie side by side in the cache. A chunk's
 // keys are widened to float32 once, into scratch, for all query vectors of each head,
-// unless they can be read where they lie (float32 rows of a one-head item, or bf16 rows
-// with the bf16 dot product). Each query vector's scores of W keys are W vectors of
+// unless they can be read where they lie (float32 rows, or bf16 rows with the bf16 dot
+// product). Each query vector's scores of W keys are W vectors of
 // partial sums over head_dim, then one transposing sum. Values are read in slices of SV
 // vectors, each multiplied into the accumulators of MB query vectors held in registers.
 // Every query vector's arithmetic is the same whatever else is in its item (register block,
@@ -42,14 +43,16 @@ namespace pagedserve::PAGEDSERVE_ISA {
 // Lane j: q . k[j] over `vecs` vectors of W float32 (DV > 0: vecs is DV, known at compile
 // time).
 template <class V, int DV>
-inline typename V::F dot_keys(const float* q, const float* const* k, int64_t vecs) {
+PAGEDSERVE_INLINE typename V::F dot_keys(const float* q, const ChunkRows<float>& k, int64_t vecs) {
   using F = typename V::F;
   const int64_t nv = DV > 0 ? DV : vecs;
   F acc[V::W];
   const F q0 = V::load(q);
+#pragma GCC unroll 16
   for (int j = 0; j < V::W; ++j) acc[j] = V::mul(q0, V::load(k[j]));
   for (int64_t d = 1; d < nv; ++d) {
     const F qd = V::load(q + V::W * d);
+#pragma GCC unroll 16
     for (int j = 0; j < V::W; ++j) acc[j] = V::fmadd(qd, V::load(k[j] + V::W * d), acc[j]);
   }
   return V::transpose_sum(acc);
@@ -59,31 +62,40 @@ inline typename V::F dot_keys(const float* q, const float* const* k, int64_t vec
 // query vectors whose accumulators stay in registers while the keys stream by. float32
 // values are read by the multiply-adds themselves; 16-bit ones are widened once per key.
 template <class V, int MB, int SV, typename S>
-inline void accumulate_slice(float* acc, int64_t D, int64_t d0, const float* p,
-                             const float* alpha, const S* const* v, int n) {
+PAGEDSERVE_INLINE void accumulate_slice(float* acc, int64_t D, int64_t d0, const float* p,
+                             const float* alpha, const ChunkRows<S>& v, int n) {
   using F = typename V::F;
   F a[MB][SV];
+#pragma GCC unroll 16
   for (int mm = 0; mm < MB; ++mm) {
     const F al = V::set1(alpha[mm]);
+#pragma GCC unroll 16
     for (int x = 0; x < SV; ++x) a[mm][x] = V::mul(V::load(acc + mm * D + d0 + V::W * x), al);
   }
   for (int j = 0; j < n; ++j) {
     const S* row = v[j] + d0;
     if constexpr (std::is_same_v<S, float>) {
+#pragma GCC unroll 16
       for (int mm = 0; mm < MB; ++mm) {
         const F pj = V::set1(p[mm * kChunk + j]);
+#pragma GCC unroll 16
         for (int x = 0; x < SV; ++x) a[mm][x] = V::fmadd(pj, V::load(row + V::W * x), a[mm][x]);
       }
     } else {
       F wide[SV];
+#pragma GCC unroll 16
       for (int x = 0; x < SV; ++x) wide[x] = V::load(row + V::W * x);
+#pragma GCC unroll 16
       for (int mm = 0; mm < MB; ++mm) {
         const F pj = V::set1(p[mm * kChunk + j]);
+#pragma GCC unroll 16
         for (int x = 0; x < SV; ++x) a[mm][x] = V::fmadd(pj, wide[x], a[mm][x]);
       }
     }
   }
+#pragma GCC unroll 16
   for (int mm = 0; mm < MB; ++mm) {
+#pragma GCC unroll 16
     for (int x = 0; x < SV; ++x) V::store(acc + mm * D + d0 + V::W * x, a[mm][x]);
   }
 }
@@ -122,6 +134,7 @@ class AttentionItem {
   static constexpr bool kFloat = std::is_same_v<T, float>;
   static constexpr bool kDotBf16 = V::kBf16Dot && std::is_same_v<T, c10::BFloat16>;
   using K = std::conditional_t<kDotBf16, c10::BFloat16, float>;  // keys as scored
+  static constexpr bool kRawKeys = kDotBf16 || kFloat;  // else widened into scratch
   // bf16 values through the dot product, in slices of NB blocks of 32 values.
   static constexpr bool kDotValues = kDotBf16 && DV > 0 && DV % 2 == 0;
   static constexpr int NB = DV % 4 == 0 ? 2 : 1;
@@ -136,8 +149,7 @@ class AttentionItem {
   AttentionItem(const Problem<T>& pb, const WorkItem& it, Scratch& s)
       : pb_(pb), it_(it), s_(s), sp_(span_of(pb, it.req)), keys_(keys_of(sp_, it)),
         D_(pb.head_dim), NV_(DV > 0 ? DV : pb.head_dim / W),
-        M_((it.row_end - it.row_begin) * pb.group), H_(it.kv_heads),
-        raw_keys_(kDotBf16 || (kFloat && it.kv_heads == 1)) {}
+        M_((it.row_end - it.row_begin) * pb.group), H_(it.kv_heads) {}
 
   void run() {
     for (int64_t hl = 0; hl < H_; ++hl) {
@@ -153,7 +165,7 @@ class AttentionItem {
       const int n = static_cast<int>(std::min<int64_t>(kChunk, keys_.end - c));
       cursor.next_rows(n, rows);
       prefetcher.advance_to(c + n);
-      if (!raw_keys_) widen_rows(pb_.k_cache, rows, n, s_.k.data());
+      if (!kRawKeys) widen_rows(pb_.k_cache, rows, n, s_.k.data());
       for (int64_t hl = 0; hl < H_; ++hl) softmax_chunk(hl, rows, c, n);
       accumulate_chunk(rows, n);
     }
@@ -185,8 +197,21 @@ class AttentionItem {
     }
   }
 
+  // Elements between rows of a widened chunk: constant where head_dim is.
+  int64_t stride() const { return DV > 0 ? W * DV : D_; }
+
+  // Head hl's keys of the chunk from key j0 on: in the cache at raw_rows, or widened.
+  ChunkRows<K> chunk_keys(int64_t hl, const int64_t* raw_rows, int j0) const {
+    if constexpr (kRawKeys) {
+      return {reinterpret_cast<const K*>(pb_.k_cache) + hl * D_, raw_rows + j0, 0};
+    } else {
+      const float* widened = s_.k.data() + (hl * kChunk + j0) * stride();
+      return {reinterpret_cast<const K*>(widened), nullptr, stride()};
+    }
+  }
+
   // Lane j: query vector m of head hl against key row k[j].
-  F scores(int64_t hl, int64_t m, const K* const* k) const {
+  F scores(int64_t hl, int64_t m, const ChunkRows<K>& k) const {
     if constexpr (kDotBf16) {
       return V::template dot_bf16<DV>(query(hl, m), k, NV_);
     } else {
@@ -199,26 +224,27 @@ class AttentionItem {
   void softmax_chunk(int64_t hl, const int64_t* rows, int64_t c, int n) {
     // The keys past n are scored, then masked out: key 0's row again, or whatever the
     // scratch holds (zeros, or an earlier chunk's keys).
-    const K* k[kChunk];
-    for (int j = 0; j < kChunk; ++j) {
-      k[j] = raw_keys_ ? reinterpret_cast<const K*>(pb_.k_cache) + rows[j < n ? j : 0] + hl * D_
-                       : reinterpret_cast<const K*>(s_.k.data() + (hl * kChunk + j) * D_);
-    }
+    int64_t raw_rows[kChunk];
+    std::copy_n(rows, n, raw_rows);
+    std::fill(raw_rows + n, raw_rows + kChunk, raw_rows[0]);
     const F scale = V::set1(pb_.scale);
     for (int64_t m = hl * M_; m < (hl + 1) * M_; ++m) {
       const int cnt = visible_keys(keys_, sp_.computed, row_of(m - hl * M_), c, n);
       F p[kGroups];
+#pragma GCC unroll 16
       for (int g = 0; g < kGroups; ++g) p[g] = V::zero();
       s_.alpha[m] = 1.0f;
       if (cnt > 0) {  // else the whole chunk is in this row's future
         F sc[kGroups];
-        float chunk_max = kNegInf;
+        F highest = V::set1(kNegInf);
+#pragma GCC unroll 16
         for (int g = 0; g < kGroups; ++g) {
-          sc[g] = V::mul(scores(hl, m - hl * M_, k + g * W), scale);
-          chunk_max = std::max(chunk_max, V::max_first(sc[g], cnt - g * W));
+          sc[g] = V::mul(scores(hl, m - hl * M_, chunk_keys(hl, raw_rows, g * W)), scale);
+          highest = V::max(highest, V::low_first(sc[g], cnt - g * W));
         }
-        const float mx = std::max(s_.row_max[m], chunk_max);
+        const float mx = std::max(s_.row_max[m], V::reduce_max(highest));
         F total = V::zero();
+#pragma GCC unroll 16
         for (int g = 0; g < kGroups; ++g) {
           p[g] = V::keep_first(V::exp(V::sub(sc[g], V::set1(mx))), cnt - g * W);
           total = V::add(total, p[g]);
@@ -227,9 +253,11 @@ class AttentionItem {
         s_.row_sum[m] = s_.row_sum[m] * s_.alpha[m] + V::reduce_add(total);
         s_.row_max[m] = mx;
       }
+#pragma GCC unroll 16
       for (int g = 0; g < kGroups; ++g) V::store(&s_.p[m * kChunk + g * W], p[g]);
       if constexpr (kDotValues) {
         auto* p16 = reinterpret_cast<c10::BFloat16*>(s_.p16.data());
+#pragma GCC unroll 16
         for (int g = 0; g < kGroups; ++g) V::store(p16 + m * kChunk + g * W, p[g]);
       }
     }
@@ -239,29 +267,27 @@ class AttentionItem {
   void accumulate_chunk(const int64_t* rows, int n) {
     if constexpr (kDotValues) {
       for (int64_t hl = 0; hl < H_; ++hl) {
-        const c10::BFloat16* v[kChunk];
-        for (int j = 0; j < n; ++j) v[j] = pb_.v_cache + rows[j] + hl * D_;
-        accumulate_bf16_blocks(hl, v, n);
+        accumulate_bf16_blocks(hl, ChunkRows<c10::BFloat16>{pb_.v_cache + hl * D_, rows, 0}, n);
       }
       return;
     }
-    // Values widened once serve every register block; with one block of one head,
+    // Values widened once serve every register block of a head; with one block per head,
     // widening on the fly reads each value once anyway.
-    if (H_ == 1 && (kFloat || M_ <= kBlockWide)) {
-      const T* v[kChunk];
-      for (int j = 0; j < n; ++j) v[j] = pb_.v_cache + rows[j];
-      return accumulate_blocks<T>(0, v, n);
+    if (kFloat || M_ <= kBlockWide) {
+      for (int64_t hl = 0; hl < H_; ++hl) {
+        accumulate_blocks<T>(hl, ChunkRows<T>{pb_.v_cache + hl * D_, rows, 0}, n);
+      }
+      return;
     }
     widen_rows(pb_.v_cache, rows, n, s_.v.data());
     for (int64_t hl = 0; hl < H_; ++hl) {
-      const float* v[kChunk];
-      for (int j = 0; j < n; ++j) v[j] = s_.v.data() + (hl * kChunk + j) * D_;
-      accumulate_blocks<float>(hl, v, n);
+      const float* widened = s_.v.data() + hl * kChunk * stride();
+      accumulate_blocks<float>(hl, ChunkRows<float>{widened, nullptr, stride()}, n);
     }
   }
 
   template <typename S>
-  void accumulate_blocks(int64_t hl, const S* const* v, int n) {
+  void accumulate_blocks(int64_t hl, const ChunkRows<S>& v, int n) {
     constexpr int MB = std::is_same_v<S, float> ? kBlockFloat : kBlockWide;
     for_register_blocks<MB>(hl * M_, (hl + 1) * M_, [&](auto mb, int64_t m) {
       for (int64_t d0 = 0; d0 < D_; d0 += W * SV) {
@@ -271,7 +297,7 @@ class AttentionItem {
     });
   }
 
-  void accumulate_bf16_blocks(int64_t hl, const c10::BFloat16* const* v, int n) {
+  void accumulate_bf16_blocks(int64_t hl, const ChunkRows<c10::BFloat16>& v, int n) {
     if constexpr (kDotValues) {
       const auto* p16 = reinterpret_cast<const c10::BFloat16*>(s_.p16.data());
       for_register_blocks<kBlockBf16>(hl * M_, (hl + 1) * M_, [&](auto mb, int64_t m) {
@@ -289,7 +315,7 @@ class AttentionItem {
     for (int j = 0; j < n; ++j) {
       for (int64_t hl = 0; hl < H_; ++hl) {
         const T* src = base + rows[j] + hl * D_;
-        float* out = dst + (hl * kChunk + j) * D_;
+        float* out = dst + (hl * kChunk + j) * stride();
         for (int64_t d = 0; d < NV_; ++d) V::store(out + W * d, V::load(src + W * d));
       }
     }
@@ -310,7 +336,6 @@ class AttentionItem {
   const Span sp_;
   const ItemKeys keys_;
   const int64_t D_, NV_, M_, H_;
-  const bool raw_keys_;
 };
 
 template <class V, typename T, int DV>

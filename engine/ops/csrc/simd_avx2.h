@@ -46,7 +46,7 @@ inline void store8(c10::Half* p, __m256 v) {
 // exp(x), simd_avx512.h's exp_ps in 8 lanes: the same polynomial, inputs below -87
 // give ~1e-38, and above 89 (where float32 overflows) inf. AVX2 has no scalef: y * 2^n is
 // two power-of-two factors, exact, so n = 128 still scales a y below 1 to a finite value.
-inline __m256 exp8(__m256 x) {
+PAGEDSERVE_INLINE __m256 exp8(__m256 x) {
   const __m256 over = _mm256_cmp_ps(x, _mm256_set1_ps(89.0f), _CMP_GT_OQ);
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(89.0f));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
@@ -83,32 +83,35 @@ struct Vec256 {
   static constexpr int kAccRegs = 12;
   static constexpr bool kBf16Dot = false;
 
-  static F zero() { return _mm256_setzero_ps(); }
-  static F set1(float x) { return _mm256_set1_ps(x); }
+  PAGEDSERVE_INLINE static F zero() { return _mm256_setzero_ps(); }
+  PAGEDSERVE_INLINE static F set1(float x) { return _mm256_set1_ps(x); }
   template <typename S>
-  static F load(const S* p) { return load8(p); }
+  PAGEDSERVE_INLINE static F load(const S* p) { return load8(p); }
   template <typename S>
-  static void store(S* p, F v) { store8(p, v); }
-  static F add(F a, F b) { return _mm256_add_ps(a, b); }
-  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
-  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
-  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
-  static F exp(F x) { return exp8(x); }
-  static F keep_first(F x, int cnt) { return _mm256_and_ps(first_lanes(cnt), x); }
-  static float max_first(F x, int cnt) {
-    const __m256 v = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), x, first_lanes(cnt));
+  PAGEDSERVE_INLINE static void store(S* p, F v) { store8(p, v); }
+  PAGEDSERVE_INLINE static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  PAGEDSERVE_INLINE static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  PAGEDSERVE_INLINE static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  PAGEDSERVE_INLINE static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  PAGEDSERVE_INLINE static F exp(F x) { return exp8(x); }
+  PAGEDSERVE_INLINE static F keep_first(F x, int cnt) { return _mm256_and_ps(first_lanes(cnt), x); }
+  PAGEDSERVE_INLINE static F low_first(F x, int cnt) {
+    return _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), x, first_lanes(cnt));
+  }
+  PAGEDSERVE_INLINE static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  PAGEDSERVE_INLINE static float reduce_max(F v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
   }
-  static float reduce_add(F v) {
+  PAGEDSERVE_INLINE static float reduce_add(F v) {
     __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     x = _mm_add_ps(x, _mm_movehl_ps(x, x));
     return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
   }
 
   // Lane j of the result is the horizontal sum of v[j].
-  static F transpose_sum(const F (&v)[W]) {
+  PAGEDSERVE_INLINE static F transpose_sum(const F (&v)[W]) {
     // hadd(a, b) = [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7]
     const __m256 h01 = _mm256_hadd_ps(v[0], v[1]), h23 = _mm256_hadd_ps(v[2], v[3]);
     const __m256 h45 = _mm256_hadd_ps(v[4], v[5]), h67 = _mm256_hadd_ps(v[6], v[7]);

@@ -43,7 +43,7 @@ inline void store_f32(c10::Half* p, __m512 v) {
 
 // exp(x) (Cephes polynomial, ~1 ulp): overflows to inf above ~88.7, and inputs below -87
 // give ~1e-38 rather than denormals or 0, so exp(-inf - m) is never NaN.
-inline __m512 exp_ps(__m512 x) {
+PAGEDSERVE_INLINE __m512 exp_ps(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
   const __m512 n = _mm512_roundscale_ps(
       _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
@@ -73,25 +73,27 @@ struct Vec512 {
   static constexpr int kAccRegs = 16;
   static constexpr bool kBf16Dot = false;
 
-  static F zero() { return _mm512_setzero_ps(); }
-  static F set1(float x) { return _mm512_set1_ps(x); }
+  PAGEDSERVE_INLINE static F zero() { return _mm512_setzero_ps(); }
+  PAGEDSERVE_INLINE static F set1(float x) { return _mm512_set1_ps(x); }
   template <typename S>
-  static F load(const S* p) { return load_f32(p); }
+  PAGEDSERVE_INLINE static F load(const S* p) { return load_f32(p); }
   template <typename S>
-  static void store(S* p, F v) { store_f32(p, v); }
-  static F add(F a, F b) { return _mm512_add_ps(a, b); }
-  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
-  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
-  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
-  static F exp(F x) { return exp_ps(x); }
-  static F keep_first(F x, int cnt) { return _mm512_maskz_mov_ps(first_lanes(cnt), x); }
-  static float max_first(F x, int cnt) {
-    return _mm512_mask_reduce_max_ps(first_lanes(cnt), x);  // -inf when cnt <= 0
+  PAGEDSERVE_INLINE static void store(S* p, F v) { store_f32(p, v); }
+  PAGEDSERVE_INLINE static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  PAGEDSERVE_INLINE static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  PAGEDSERVE_INLINE static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  PAGEDSERVE_INLINE static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  PAGEDSERVE_INLINE static F exp(F x) { return exp_ps(x); }
+  PAGEDSERVE_INLINE static F keep_first(F x, int cnt) { return _mm512_maskz_mov_ps(first_lanes(cnt), x); }
+  PAGEDSERVE_INLINE static F low_first(F x, int cnt) {
+    return _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), first_lanes(cnt), x);
   }
-  static float reduce_add(F v) { return _mm512_reduce_add_ps(v); }
+  PAGEDSERVE_INLINE static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  PAGEDSERVE_INLINE static float reduce_max(F v) { return _mm512_reduce_max_ps(v); }
+  PAGEDSERVE_INLINE static float reduce_add(F v) { return _mm512_reduce_add_ps(v); }
 
   // Lane j of the result is the horizontal sum of v[j].
-  static F transpose_sum(const F (&v)[W]) {
+  PAGEDSERVE_INLINE static F transpose_sum(const F (&v)[W]) {
     __m512 a[8], b[4], c[2];
     for (int i = 0; i < 8; ++i) {  // each 128-bit quarter: [a0+a2, b0+b2, a1+a3, b1+b3]
       a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
@@ -116,16 +118,18 @@ struct Vec512 {
 struct Vec512Bf16 : Vec512 {
   static constexpr bool kBf16Dot = true;
 
-  // Lane j: q . k[j] over `vecs` * 16 bf16 elements (vecs may be odd: the last block of
+  // Lane j: q . k[j] (a ChunkRows) over `vecs` * 16 bf16 elements (vecs may be odd: the last block of
   // 32 is then half, zero-extended), as float32 partial sums then transpose_sum.
-  template <int DV>
-  static F dot_bf16(const c10::BFloat16* q, const c10::BFloat16* const* k, int64_t vecs) {
+  template <int DV, class Rows>
+  PAGEDSERVE_INLINE static F dot_bf16(const c10::BFloat16* q, const Rows& k, int64_t vecs) {
     const int64_t nv = DV > 0 ? DV : vecs, blocks = (nv + 1) / 2;
     F acc[W];
+#pragma GCC unroll 16
     for (int j = 0; j < W; ++j) acc[j] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
       const bool half = 2 * b + 1 == nv;
       const __m512i qb = block(q + 32 * b, half);
+#pragma GCC unroll 16
       for (int j = 0; j < W; ++j) {
         acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)qb, (__m512bh)block(k[j] + 32 * b, half));
       }
@@ -138,12 +142,14 @@ struct Vec512Bf16 : Vec512 {
   // leaves values 0-3, 8-11, 16-19, 24-27 of each block of 32 in one accumulator and 4-7,
   // 12-15, ... in the other: the accumulators are put in that order when loaded and back
   // in natural order when stored, so acc is in natural order outside this function.
-  template <int MB, int NB>
-  static void accumulate_bf16(float* acc, int64_t D, int64_t d0, const c10::BFloat16* p,
-                              const float* alpha, const c10::BFloat16* const* v, int n) {
+  template <int MB, int NB, class Rows>
+  PAGEDSERVE_INLINE static void accumulate_bf16(float* acc, int64_t D, int64_t d0, const c10::BFloat16* p,
+                              const float* alpha, const Rows& v, int n) {
     __m512 lo[MB][NB], hi[MB][NB];
+#pragma GCC unroll 16
     for (int mm = 0; mm < MB; ++mm) {
       const __m512 al = _mm512_set1_ps(alpha[mm]);
+#pragma GCC unroll 16
       for (int b = 0; b < NB; ++b) {
         const float* a = acc + mm * D + d0 + 32 * b;
         const __m512 first = _mm512_loadu_ps(a), second = _mm512_loadu_ps(a + 16);
@@ -155,22 +161,27 @@ struct Vec512Bf16 : Vec512 {
       const c10::BFloat16* r0 = v[j] + d0;
       const c10::BFloat16* r1 = (j + 1 < n ? v[j + 1] : v[j]) + d0;  // then its p is 0
       __m512i ul[NB], uh[NB];
+#pragma GCC unroll 16
       for (int b = 0; b < NB; ++b) {
         const __m512i x = _mm512_loadu_si512(r0 + 32 * b), y = _mm512_loadu_si512(r1 + 32 * b);
         ul[b] = _mm512_unpacklo_epi16(x, y);
         uh[b] = _mm512_unpackhi_epi16(x, y);
       }
+#pragma GCC unroll 16
       for (int mm = 0; mm < MB; ++mm) {
         int32_t pair;
         std::memcpy(&pair, p + mm * kChunk + j, sizeof(pair));
         const __m512bh pp = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 16
         for (int b = 0; b < NB; ++b) {
           lo[mm][b] = _mm512_dpbf16_ps(lo[mm][b], (__m512bh)ul[b], pp);
           hi[mm][b] = _mm512_dpbf16_ps(hi[mm][b], (__m512bh)uh[b], pp);
         }
       }
     }
+#pragma GCC unroll 16
     for (int mm = 0; mm < MB; ++mm) {
+#pragma GCC unroll 16
       for (int b = 0; b < NB; ++b) {
         const __m512 t0 = _mm512_shuffle_f32x4(lo[mm][b], hi[mm][b], 0x44);  // lo0 lo1 hi0 hi1
         const __m512 t1 = _mm512_shuffle_f32x4(lo[mm][b], hi[mm][b], 0xEE);  // lo2 lo3 hi2 hi3

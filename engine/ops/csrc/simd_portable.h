@@ -36,23 +36,25 @@ struct VecScalar {
   static constexpr int kAccRegs = 8;
   static constexpr bool kBf16Dot = false;
 
-  static F zero() { return 0.0f; }
-  static F set1(float x) { return x; }
+  PAGEDSERVE_INLINE static F zero() { return 0.0f; }
+  PAGEDSERVE_INLINE static F set1(float x) { return x; }
   template <typename S>
-  static F load(const S* p) { return static_cast<float>(*p); }
+  PAGEDSERVE_INLINE static F load(const S* p) { return static_cast<float>(*p); }
   template <typename S>
-  static void store(S* p, F v) { *p = static_cast<S>(v); }
-  static F add(F a, F b) { return a + b; }
-  static F sub(F a, F b) { return a - b; }
-  static F mul(F a, F b) { return a * b; }
-  static F fmadd(F a, F b, F c) { return a * b + c; }
-  static F exp(F x) { return exp_poly(x); }
-  static F keep_first(F x, int cnt) { return cnt > 0 ? x : 0.0f; }
-  static float max_first(F x, int cnt) {
+  PAGEDSERVE_INLINE static void store(S* p, F v) { *p = static_cast<S>(v); }
+  PAGEDSERVE_INLINE static F add(F a, F b) { return a + b; }
+  PAGEDSERVE_INLINE static F sub(F a, F b) { return a - b; }
+  PAGEDSERVE_INLINE static F mul(F a, F b) { return a * b; }
+  PAGEDSERVE_INLINE static F fmadd(F a, F b, F c) { return a * b + c; }
+  PAGEDSERVE_INLINE static F exp(F x) { return exp_poly(x); }
+  PAGEDSERVE_INLINE static F keep_first(F x, int cnt) { return cnt > 0 ? x : 0.0f; }
+  PAGEDSERVE_INLINE static F low_first(F x, int cnt) {
     return cnt > 0 ? x : -std::numeric_limits<float>::infinity();
   }
-  static float reduce_add(F v) { return v; }
-  static F transpose_sum(const F (&v)[W]) { return v[0]; }
+  PAGEDSERVE_INLINE static F max(F a, F b) { return std::max(a, b); }
+  PAGEDSERVE_INLINE static float reduce_max(F v) { return v; }
+  PAGEDSERVE_INLINE static float reduce_add(F v) { return v; }
+  PAGEDSERVE_INLINE static F transpose_sum(const F (&v)[W]) { return v[0]; }
 };
 
 struct VecGeneric {
@@ -62,30 +64,30 @@ struct VecGeneric {
   static constexpr int kAccRegs = 12;
   static constexpr bool kBf16Dot = false;
 
-  static F zero() { return F{}; }
-  static F set1(float x) { return F{} + x; }
-  static F load(const float* p) {
+  PAGEDSERVE_INLINE static F zero() { return F{}; }
+  PAGEDSERVE_INLINE static F set1(float x) { return F{} + x; }
+  PAGEDSERVE_INLINE static F load(const float* p) {
     F v;
     std::memcpy(&v, p, sizeof(v));
     return v;
   }
   template <typename S>
-  static F load(const S* p) {
+  PAGEDSERVE_INLINE static F load(const S* p) {
     F v;
     for (int l = 0; l < W; ++l) v[l] = static_cast<float>(p[l]);
     return v;
   }
-  static void store(float* p, F v) { std::memcpy(p, &v, sizeof(v)); }
+  PAGEDSERVE_INLINE static void store(float* p, F v) { std::memcpy(p, &v, sizeof(v)); }
   template <typename S>
-  static void store(S* p, F v) {
+  PAGEDSERVE_INLINE static void store(S* p, F v) {
     for (int l = 0; l < W; ++l) p[l] = static_cast<S>(v[l]);
   }
-  static F add(F a, F b) { return a + b; }
-  static F sub(F a, F b) { return a - b; }
-  static F mul(F a, F b) { return a * b; }
-  static F fmadd(F a, F b, F c) { return a * b + c; }
+  PAGEDSERVE_INLINE static F add(F a, F b) { return a + b; }
+  PAGEDSERVE_INLINE static F sub(F a, F b) { return a - b; }
+  PAGEDSERVE_INLINE static F mul(F a, F b) { return a * b; }
+  PAGEDSERVE_INLINE static F fmadd(F a, F b, F c) { return a * b + c; }
   // exp_poly lane-wise, for x <= 0 only (2^n is built from n's bits, n in -126..0).
-  static F exp(F x) {
+  PAGEDSERVE_INLINE static F exp(F x) {
     const I low = x < set1(-87.0f);
     x = (F)(((I)x & ~low) | ((I)set1(-87.0f) & low));
     const F n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to int
@@ -101,25 +103,43 @@ struct VecGeneric {
     const I two_n = (__builtin_convertvector(n, I) + 127) << 23;
     return y * (F)two_n;
   }
-  static F keep_first(F x, int cnt) { return (F)((I)x & lanes_below(cnt)); }
-  static float max_first(F x, int cnt) {
-    float m = -std::numeric_limits<float>::infinity();
-    for (int l = 0; l < std::min(cnt, W); ++l) m = std::max(m, x[l]);
-    return m;
+  PAGEDSERVE_INLINE static F keep_first(F x, int cnt) { return (F)((I)x & lanes_below(cnt)); }
+  PAGEDSERVE_INLINE static F low_first(F x, int cnt) {
+    const I keep = lanes_below(cnt);
+    return (F)(((I)x & keep) | ((I)set1(-std::numeric_limits<float>::infinity()) & ~keep));
   }
-  static float reduce_add(F v) {
-    float sum = 0.0f;
-    for (int l = 0; l < W; ++l) sum += v[l];
-    return sum;
+  PAGEDSERVE_INLINE static F max(F a, F b) {
+    const I a_larger = a > b;
+    return (F)(((I)a & a_larger) | ((I)b & ~a_larger));
   }
-  static F transpose_sum(const F (&v)[W]) {
-    F out;
-    for (int j = 0; j < W; ++j) out[j] = reduce_add(v[j]);
-    return out;
+  PAGEDSERVE_INLINE static float reduce_max(F v) {
+    v = max(v, shuffle<2, 3, 0, 1>(v, v));
+    return max(v, shuffle<1, 0, 3, 2>(v, v))[0];
+  }
+  PAGEDSERVE_INLINE static float reduce_add(F v) {
+    v = v + shuffle<2, 3, 0, 1>(v, v);
+    return (v + shuffle<1, 0, 3, 2>(v, v))[0];
+  }
+  // Lane j of the result is the sum of v[j]'s lanes, in two rounds of shuffles and adds.
+  PAGEDSERVE_INLINE static F transpose_sum(const F (&v)[W]) {
+    const F t0 = shuffle<0, 4, 1, 5>(v[0], v[1]) + shuffle<2, 6, 3, 7>(v[0], v[1]);
+    const F t1 = shuffle<0, 4, 1, 5>(v[2], v[3]) + shuffle<2, 6, 3, 7>(v[2], v[3]);
+    // t0 = [a0+a2, b0+b2, a1+a3, b1+b3], t1 likewise for c and d
+    return shuffle<0, 1, 4, 5>(t0, t1) + shuffle<2, 3, 6, 7>(t0, t1);
   }
 
  private:
-  static I lanes_below(int cnt) {
+  // Lanes i0..i3 of the 8 lanes of a then b.
+  template <int I0, int I1, int I2, int I3>
+  PAGEDSERVE_INLINE static F shuffle(F a, F b) {
+#if defined(__clang__)
+    return __builtin_shufflevector(a, b, I0, I1, I2, I3);
+#else
+    return __builtin_shuffle(a, b, I{I0, I1, I2, I3});
+#endif
+  }
+
+  PAGEDSERVE_INLINE static I lanes_below(int cnt) {
     I lane;
     for (int l = 0; l < W; ++l) lane[l] = l;
     return lane < cnt;
