@@ -48,8 +48,8 @@ def long_case(tmp_path_factory: pytest.TempPathFactory):
 
 def long_llm(path: Path, isa: str, dtype: str, **kwargs: object) -> LLM:
     options: dict[str, object] = dict(
-        dtype=dtype, cpu_isa=isa, block_size=16, num_kv_blocks=600, max_model_len=4096,
-        max_num_batched_tokens=512, attention_backend="cpu-native",
+        dtype=dtype, device="cpu", cpu_isa=isa, block_size=16, num_kv_blocks=600,
+        max_model_len=4096, max_num_batched_tokens=512, attention_backend="cpu-native",
     )  # fmt: skip
     options.update(kwargs)
     return LLM(str(path), hooks=CHECKED, **options)

@@ -3,6 +3,7 @@
 //
 //   V::F, V::W            a vector of W float32 lanes (W divides kChunk = 16)
 //   kAccRegs              accumulator registers a value block may hold
+//   kKeysOuter            score a chunk key by key (q in registers), not d by d
 //   zero, set1, add, sub, mul, fmadd(a, b, c) = a * b + c
 //   load(p), store(p, v)  W values of float32, bfloat16 or float16 as float32 lanes (store
 //                         rounds to nearest even, as c10 does)
@@ -23,8 +24,8 @@
 // An item may take several KV heads (a decode's, in a batch of many): each chunk's rows of
 // all its heads are then read together, as they lie side by side in the cache. A chunk's
 // keys are widened to float32 once, into scratch, for all query vectors of each head,
-// unless they can be read where they lie (float32 rows, or bf16 rows with the bf16 dot
-// product). Each query vector's scores of W keys are W vectors of
+// unless they can be read where they lie (float32 rows of a one-head item, or bf16 rows
+// with the bf16 dot product). Each query vector's scores of W keys are W vectors of
 // partial sums over head_dim, then one transposing sum. Values are read in slices of SV
 // vectors, each multiplied into the accumulators of MB query vectors held in registers.
 // Every query vector's arithmetic is the same whatever else is in its item (register block,
@@ -41,19 +42,36 @@
 namespace pagedserve::PAGEDSERVE_ISA {
 
 // Lane j: q . k[j] over `vecs` vectors of W float32 (DV > 0: vecs is DV, known at compile
-// time).
+// time). Each key's sum runs over d in order either way. With V::kKeysOuter, q is held in
+// registers and the keys are taken one at a time (few row addresses live at once: 16 of
+// them do not fit the general registers); otherwise each q vector serves all W keys.
 template <class V, int DV>
-PAGEDSERVE_INLINE typename V::F dot_keys(const float* q, const ChunkRows<float>& k, int64_t vecs) {
+PAGEDSERVE_INLINE typename V::F dot_keys(const float* q, const ChunkRows<float>& k,
+                                         int64_t vecs) {
   using F = typename V::F;
-  const int64_t nv = DV > 0 ? DV : vecs;
   F acc[V::W];
-  const F q0 = V::load(q);
+  if constexpr (V::kKeysOuter && DV > 0 && DV <= V::kAccRegs) {
+    F qv[DV];
 #pragma GCC unroll 16
-  for (int j = 0; j < V::W; ++j) acc[j] = V::mul(q0, V::load(k[j]));
-  for (int64_t d = 1; d < nv; ++d) {
-    const F qd = V::load(q + V::W * d);
+    for (int d = 0; d < DV; ++d) qv[d] = V::load(q + V::W * d);
 #pragma GCC unroll 16
-    for (int j = 0; j < V::W; ++j) acc[j] = V::fmadd(qd, V::load(k[j] + V::W * d), acc[j]);
+    for (int j = 0; j < V::W; ++j) {
+      const float* row = k[j];
+      F sum = V::mul(qv[0], V::load(row));
+#pragma GCC unroll 16
+      for (int d = 1; d < DV; ++d) sum = V::fmadd(qv[d], V::load(row + V::W * d), sum);
+      acc[j] = sum;
+    }
+  } else {
+    const int64_t nv = DV > 0 ? DV : vecs;
+    const F q0 = V::load(q);
+#pragma GCC unroll 16
+    for (int j = 0; j < V::W; ++j) acc[j] = V::mul(q0, V::load(k[j]));
+    for (int64_t d = 1; d < nv; ++d) {
+      const F qd = V::load(q + V::W * d);
+#pragma GCC unroll 16
+      for (int j = 0; j < V::W; ++j) acc[j] = V::fmadd(qd, V::load(k[j] + V::W * d), acc[j]);
+    }
   }
   return V::transpose_sum(acc);
 }
@@ -134,7 +152,6 @@ class AttentionItem {
   static constexpr bool kFloat = std::is_same_v<T, float>;
   static constexpr bool kDotBf16 = V::kBf16Dot && std::is_same_v<T, c10::BFloat16>;
   using K = std::conditional_t<kDotBf16, c10::BFloat16, float>;  // keys as scored
-  static constexpr bool kRawKeys = kDotBf16 || kFloat;  // else widened into scratch
   // bf16 values through the dot product, in slices of NB blocks of 32 values.
   static constexpr bool kDotValues = kDotBf16 && DV > 0 && DV % 2 == 0;
   static constexpr int NB = DV % 4 == 0 ? 2 : 1;
@@ -149,7 +166,11 @@ class AttentionItem {
   AttentionItem(const Problem<T>& pb, const WorkItem& it, Scratch& s)
       : pb_(pb), it_(it), s_(s), sp_(span_of(pb, it.req)), keys_(keys_of(sp_, it)),
         D_(pb.head_dim), NV_(DV > 0 ? DV : pb.head_dim / W),
-        M_((it.row_end - it.row_begin) * pb.group), H_(it.kv_heads) {}
+        M_((it.row_end - it.row_begin) * pb.group), H_(it.kv_heads),
+        // One head's float32 rows are read where they lie; anything else is widened, and
+        // several heads' rows are copied out together, in the order they lie in memory
+        // (a 64-decode batch ran in half the time of one head per item on AVX2).
+        raw_keys_(kDotBf16 || (kFloat && it.kv_heads == 1)) {}
 
   void run() {
     for (int64_t hl = 0; hl < H_; ++hl) {
@@ -165,8 +186,14 @@ class AttentionItem {
       const int n = static_cast<int>(std::min<int64_t>(kChunk, keys_.end - c));
       cursor.next_rows(n, rows);
       prefetcher.advance_to(c + n);
-      if (!kRawKeys) widen_rows(pb_.k_cache, rows, n, s_.k.data());
-      for (int64_t hl = 0; hl < H_; ++hl) softmax_chunk(hl, rows, c, n);
+      if (!raw_keys_) widen_rows(pb_.k_cache, rows, n, s_.k.data());
+      for (int64_t hl = 0; hl < H_; ++hl) {
+        if (raw_keys_) {
+          softmax_chunk<true>(hl, rows, c, n);
+        } else {
+          softmax_chunk<false>(hl, rows, c, n);
+        }
+      }
       accumulate_chunk(rows, n);
     }
     for (int64_t hl = 0; hl < H_; ++hl) {
@@ -193,16 +220,20 @@ class AttentionItem {
     for (int64_t m = 0; m < M_; ++m) {
       const T* src = query(hl, m);
       float* dst = &s_.q[(hl * M_ + m) * D_];
-      for (int64_t d = 0; d < NV_; ++d) V::store(dst + W * d, V::load(src + W * d));
+#pragma GCC unroll 16
+      for (int64_t d = 0; d < vecs(); ++d) V::store(dst + W * d, V::load(src + W * d));
     }
   }
 
-  // Elements between rows of a widened chunk: constant where head_dim is.
+  // Vectors per row, and elements between rows of a widened chunk: constants where
+  // head_dim is.
+  int64_t vecs() const { return DV > 0 ? DV : NV_; }
   int64_t stride() const { return DV > 0 ? W * DV : D_; }
 
   // Head hl's keys of the chunk from key j0 on: in the cache at raw_rows, or widened.
+  template <bool kRaw>
   ChunkRows<K> chunk_keys(int64_t hl, const int64_t* raw_rows, int j0) const {
-    if constexpr (kRawKeys) {
+    if constexpr (kRaw) {
       return {reinterpret_cast<const K*>(pb_.k_cache) + hl * D_, raw_rows + j0, 0};
     } else {
       const float* widened = s_.k.data() + (hl * kChunk + j0) * stride();
@@ -221,6 +252,7 @@ class AttentionItem {
 
   // Scores of head hl's query vectors against the chunk's keys; updates the running max
   // and sum, leaving p and the accumulator rescale alpha per vector.
+  template <bool kRaw>
   void softmax_chunk(int64_t hl, const int64_t* rows, int64_t c, int n) {
     // The keys past n are scored, then masked out: key 0's row again, or whatever the
     // scratch holds (zeros, or an earlier chunk's keys).
@@ -239,7 +271,7 @@ class AttentionItem {
         F highest = V::set1(kNegInf);
 #pragma GCC unroll 16
         for (int g = 0; g < kGroups; ++g) {
-          sc[g] = V::mul(scores(hl, m - hl * M_, chunk_keys(hl, raw_rows, g * W)), scale);
+          sc[g] = V::mul(scores(hl, m - hl * M_, chunk_keys<kRaw>(hl, raw_rows, g * W)), scale);
           highest = V::max(highest, V::low_first(sc[g], cnt - g * W));
         }
         const float mx = std::max(s_.row_max[m], V::reduce_max(highest));
@@ -271,9 +303,9 @@ class AttentionItem {
       }
       return;
     }
-    // Values widened once serve every register block of a head; with one block per head,
+    // Values widened once serve every register block; with one block of one head,
     // widening on the fly reads each value once anyway.
-    if (kFloat || M_ <= kBlockWide) {
+    if (H_ == 1 && (kFloat || M_ <= kBlockWide)) {
       for (int64_t hl = 0; hl < H_; ++hl) {
         accumulate_blocks<T>(hl, ChunkRows<T>{pb_.v_cache + hl * D_, rows, 0}, n);
       }
@@ -316,7 +348,8 @@ class AttentionItem {
       for (int64_t hl = 0; hl < H_; ++hl) {
         const T* src = base + rows[j] + hl * D_;
         float* out = dst + (hl * kChunk + j) * stride();
-        for (int64_t d = 0; d < NV_; ++d) V::store(out + W * d, V::load(src + W * d));
+#pragma GCC unroll 16
+        for (int64_t d = 0; d < vecs(); ++d) V::store(out + W * d, V::load(src + W * d));
       }
     }
   }
@@ -326,7 +359,10 @@ class AttentionItem {
       T* dst = pb_.out + (sp_.q_begin + row_of(m)) * pb_.out_stride + head_of(hl, m) * D_;
       const F inv = V::set1(1.0f / s_.row_sum[hl * M_ + m]);
       const float* acc = &s_.acc[(hl * M_ + m) * D_];
-      for (int64_t d = 0; d < NV_; ++d) V::store(dst + W * d, V::mul(V::load(acc + W * d), inv));
+#pragma GCC unroll 16
+      for (int64_t d = 0; d < vecs(); ++d) {
+        V::store(dst + W * d, V::mul(V::load(acc + W * d), inv));
+      }
     }
   }
 
@@ -336,6 +372,7 @@ class AttentionItem {
   const Span sp_;
   const ItemKeys keys_;
   const int64_t D_, NV_, M_, H_;
+  const bool raw_keys_;
 };
 
 template <class V, typename T, int DV>

@@ -82,6 +82,7 @@ struct Vec256 {
   static constexpr int W = 8;
   static constexpr int kAccRegs = 12;
   static constexpr bool kBf16Dot = false;
+  static constexpr bool kKeysOuter = false;
 
   PAGEDSERVE_INLINE static F zero() { return _mm256_setzero_ps(); }
   PAGEDSERVE_INLINE static F set1(float x) { return _mm256_set1_ps(x); }

@@ -72,6 +72,7 @@ struct Vec512 {
   static constexpr int W = 16;
   static constexpr int kAccRegs = 16;
   static constexpr bool kBf16Dot = false;
+  static constexpr bool kKeysOuter = true;
 
   PAGEDSERVE_INLINE static F zero() { return _mm512_setzero_ps(); }
   PAGEDSERVE_INLINE static F set1(float x) { return _mm512_set1_ps(x); }
@@ -84,7 +85,9 @@ struct Vec512 {
   PAGEDSERVE_INLINE static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   PAGEDSERVE_INLINE static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   PAGEDSERVE_INLINE static F exp(F x) { return exp_ps(x); }
-  PAGEDSERVE_INLINE static F keep_first(F x, int cnt) { return _mm512_maskz_mov_ps(first_lanes(cnt), x); }
+  PAGEDSERVE_INLINE static F keep_first(F x, int cnt) {
+    return _mm512_maskz_mov_ps(first_lanes(cnt), x);
+  }
   PAGEDSERVE_INLINE static F low_first(F x, int cnt) {
     return _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), first_lanes(cnt), x);
   }
@@ -118,20 +121,40 @@ struct Vec512 {
 struct Vec512Bf16 : Vec512 {
   static constexpr bool kBf16Dot = true;
 
-  // Lane j: q . k[j] (a ChunkRows) over `vecs` * 16 bf16 elements (vecs may be odd: the last block of
-  // 32 is then half, zero-extended), as float32 partial sums then transpose_sum.
+  // Lane j: q . k[j] (a ChunkRows) over `vecs` * 16 bf16 elements (vecs may be odd: the
+  // last block of 32 is then half, zero-extended), as float32 partial sums then
+  // transpose_sum.
   template <int DV, class Rows>
   PAGEDSERVE_INLINE static F dot_bf16(const c10::BFloat16* q, const Rows& k, int64_t vecs) {
-    const int64_t nv = DV > 0 ? DV : vecs, blocks = (nv + 1) / 2;
+    constexpr int kMaxBlocks = 8;  // head_dim up to 256 holds q in registers
     F acc[W];
+    if constexpr (DV > 0 && (DV + 1) / 2 <= kMaxBlocks) {
+      constexpr int NB = (DV + 1) / 2;
+      __m512i qb[NB];
 #pragma GCC unroll 16
-    for (int j = 0; j < W; ++j) acc[j] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-      const bool half = 2 * b + 1 == nv;
-      const __m512i qb = block(q + 32 * b, half);
+      for (int b = 0; b < NB; ++b) qb[b] = block(q + 32 * b, 2 * b + 1 == DV);
 #pragma GCC unroll 16
       for (int j = 0; j < W; ++j) {
-        acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)qb, (__m512bh)block(k[j] + 32 * b, half));
+        const c10::BFloat16* row = k[j];
+        __m512 sum = _mm512_setzero_ps();
+#pragma GCC unroll 16
+        for (int b = 0; b < NB; ++b) {
+          const __m512i kb = block(row + 32 * b, 2 * b + 1 == DV);
+          sum = _mm512_dpbf16_ps(sum, (__m512bh)qb[b], (__m512bh)kb);
+        }
+        acc[j] = sum;
+      }
+    } else {
+      const int64_t nv = DV > 0 ? DV : vecs, blocks = (nv + 1) / 2;
+#pragma GCC unroll 16
+      for (int j = 0; j < W; ++j) acc[j] = _mm512_setzero_ps();
+      for (int64_t b = 0; b < blocks; ++b) {
+        const bool half = 2 * b + 1 == nv;
+        const __m512i qb = block(q + 32 * b, half);
+#pragma GCC unroll 16
+        for (int j = 0; j < W; ++j) {
+          acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)qb, (__m512bh)block(k[j] + 32 * b, half));
+        }
       }
     }
     return transpose_sum(acc);
@@ -143,8 +166,9 @@ struct Vec512Bf16 : Vec512 {
   // 12-15, ... in the other: the accumulators are put in that order when loaded and back
   // in natural order when stored, so acc is in natural order outside this function.
   template <int MB, int NB, class Rows>
-  PAGEDSERVE_INLINE static void accumulate_bf16(float* acc, int64_t D, int64_t d0, const c10::BFloat16* p,
-                              const float* alpha, const Rows& v, int n) {
+  PAGEDSERVE_INLINE static void accumulate_bf16(float* acc, int64_t D, int64_t d0,
+                                                const c10::BFloat16* p, const float* alpha,
+                                                const Rows& v, int n) {
     __m512 lo[MB][NB], hi[MB][NB];
 #pragma GCC unroll 16
     for (int mm = 0; mm < MB; ++mm) {
@@ -194,8 +218,8 @@ struct Vec512Bf16 : Vec512 {
 
  private:
   static __m512i block(const c10::BFloat16* p, bool half) {
-    if (half) return _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    return _mm512_loadu_si512(p);
+    if (!half) return _mm512_loadu_si512(p);
+    return _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
 };
 #endif  // __AVX512BF16__

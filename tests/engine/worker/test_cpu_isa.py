@@ -28,7 +28,9 @@ def tiled_layers(llm: LLM) -> list[bool]:
 @pytest.mark.parametrize("cpu_isa", ["portable", "auto"])
 def test_an_engine_runs_and_reports_the_set_it_was_given(tmp_path: Path, cpu_isa: str) -> None:
     kernels = native_kernels()
-    llm = LLM(str(make_tiny_model("llama", tmp_path)), dtype="bfloat16", cpu_isa=cpu_isa)
+    llm = LLM(
+        str(make_tiny_model("llama", tmp_path)), dtype="bfloat16", device="cpu", cpu_isa=cpu_isa
+    )
     isa = kernels.best if cpu_isa == "auto" else cpu_isa
     assert torch.ops.pagedserve.cpu_isa() == isa
     how = "auto: best this CPU runs" if cpu_isa == "auto" else "forced by --cpu-isa"
@@ -43,9 +45,9 @@ def test_an_engine_runs_and_reports_the_set_it_was_given(tmp_path: Path, cpu_isa
 
 def test_the_next_engine_on_auto_goes_back_to_the_best_set(tmp_path: Path) -> None:
     model = str(make_tiny_model("llama", tmp_path))
-    LLM(model, dtype="float32", num_kv_blocks=32, cpu_isa="portable").close()
+    LLM(model, dtype="float32", device="cpu", num_kv_blocks=32, cpu_isa="portable").close()
     assert native_kernels().isa == "portable"
-    LLM(model, dtype="float32", num_kv_blocks=32).close()
+    LLM(model, dtype="float32", device="cpu", num_kv_blocks=32).close()
     assert native_kernels().isa == native_kernels().best
 
 
@@ -54,7 +56,7 @@ def test_a_set_that_cannot_run_here_is_refused_naming_the_choices(tmp_path: Path
     choices = f"{', '.join(kernels.supported)} (built: {', '.join(kernels.built)})"
     model = str(make_tiny_model("llama", tmp_path))
     with pytest.raises(ValueError) as refused:
-        LLM(model, cpu_isa="avx1024")
+        LLM(model, device="cpu", cpu_isa="avx1024")
     assert (
         str(refused.value)
         == f"--cpu-isa avx1024: this build has no avx1024; this CPU runs {choices}"
