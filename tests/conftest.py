@@ -7,11 +7,26 @@ load fails the suite instead of thinning it out unnoticed.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, each worker runs on its own share of the CPUs (its servers and
+    subprocesses inherit it): two workers' torch thread pools on the same cores would
+    spin waiting for each other instead of working."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if worker is None or not hasattr(os, "sched_setaffinity"):
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    share = cpus[int(worker.removeprefix("gw")) % count :: count] if count <= len(cpus) else []
+    if share:
+        os.sched_setaffinity(0, share)
 
 
 @pytest.fixture(scope="session")
