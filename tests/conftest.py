@@ -29,6 +29,19 @@ def pytest_configure(config: pytest.Config) -> None:
         os.sched_setaffinity(0, share)
 
 
+# The two longest files, a wheel build and the one-minute soak: a parallel run that started
+# either late would end on it while the other workers sit idle.
+LONGEST = ("test_wheel.py", "test_soak.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Orders whole files (their module fixtures start once): the longest, then the others
+    with a slow test, then the rest. `make test` keeps this order (--dist loadfile
+    --no-loadscope-reorder), so its workers end on short files."""
+    slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: (item.path.name not in LONGEST, item.path not in slow))
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     from engine.models.default_model import prepare_default_model
