@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PORT ?= 8000
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test`, each pinned to its share of the CPUs; whole files
+# go to one worker (their module fixtures start once), the longest first (conftest.py).
+TEST_WORKERS ?= 2
 # `make soak`: seconds of random load (`make test` runs a one-minute soak).
 SOAK_SECONDS ?= 600
 
@@ -53,7 +56,7 @@ chromium:
 	$(call apt_install,chromium,chromium)
 
 test: install lint promtool chromium
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 soak: install
 	$(PY) -m tests.server.soak --duration $(SOAK_SECONDS)

@@ -8,6 +8,7 @@ thinning it out unnoticed.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Generator
 from pathlib import Path
@@ -16,6 +17,33 @@ from typing import Any
 import pytest
 
 from tests.isas import CPU_LACKS
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, each worker runs on its own share of the CPUs (its servers and
+    subprocesses inherit it): two workers' torch thread pools on the same cores would
+    spin waiting for each other instead of working."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if worker is None or not hasattr(os, "sched_setaffinity"):
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    share = cpus[int(worker.removeprefix("gw")) % count :: count] if count <= len(cpus) else []
+    if share:
+        os.sched_setaffinity(0, share)
+
+
+# The two longest files, a wheel build and the one-minute soak: a parallel run that started
+# either late would end on it while the other workers sit idle.
+LONGEST = ("test_wheel.py", "test_soak.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Orders whole files (their module fixtures start once): the longest, then the others
+    with a slow test, then the rest. `make test` keeps this order (--dist loadfile
+    --no-loadscope-reorder), so its workers end on short files."""
+    slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: (item.path.name not in LONGEST, item.path not in slow))
 
 
 @pytest.fixture(scope="session")

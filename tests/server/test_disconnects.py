@@ -31,6 +31,14 @@ def give_up(url: str, body: dict, outcome: list[str]) -> None:
         outcome.append("gave up")
 
 
+def wait_until(condition: Callable[[], bool], timeout: float) -> bool:
+    """Polls `condition` until it holds or `timeout` seconds pass; returns its last value."""
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return condition()
+
+
 def decoding(n: int) -> Callable[[list[Request], list[Request]], bool]:
     return lambda running, waiting: (
         len(running) == n and not waiting and all(r.num_output_tokens > 0 for r in running)
@@ -72,11 +80,14 @@ def test_non_streamed_request_is_aborted_when_its_client_gives_up(
             threading.Thread(target=give_up, args=(server.url, b, outcomes))
             for b in ([blocker] if blocker else []) + [body]
         ]
+        scheduler = server.engine.core.scheduler
         for client in clients:
             client.start()
-            time.sleep(0.2)
-        scheduler = server.engine.core.scheduler
-        assert in_stage(list(scheduler.running), list(scheduler.waiting)), "not in the stage"
+            # The blocker first takes the slot; then the request reaches its stage.
+            assert wait_until(lambda: len(scheduler.running) > 0, GIVE_UP_S / 2)
+        assert wait_until(
+            lambda: in_stage(list(scheduler.running), list(scheduler.waiting)), GIVE_UP_S / 2
+        ), "not in the stage"
         for client in clients:
             client.join()
         assert outcomes == ["gave up"] * len(clients)

@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.server.soak import check, run_soak
 
 
+@pytest.mark.slow
 def test_a_minute_of_random_load_leaves_nothing_behind(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:

@@ -40,3 +40,33 @@ def test_transformers_loads_and_greedy_decodes_sensibly(default_model_dir: Path)
     out = model.generate(input_ids, max_new_tokens=12, do_sample=False)
     text = tokenizer.decode(out[0, input_ids.shape[1] :], skip_special_tokens=True)
     assert "Paris" in text, text
+
+
+def test_concurrent_preparations_take_turns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second caller waits for the lock, then finds the directory prepared by the first
+    (here, the test) instead of converting it again over the first one's files."""
+    import fcntl
+    import threading
+
+    from engine.models import default_model
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    conversions: list[Path] = []
+    monkeypatch.setattr(default_model, "_prepare", conversions.append)
+    target = default_model.default_model_dir()
+    target.mkdir(parents=True)
+    results: list[Path] = []
+    with open(default_model.lock_file(target), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        waiter = threading.Thread(
+            target=lambda: results.append(default_model.prepare_default_model())
+        )
+        waiter.start()
+        waiter.join(timeout=0.5)
+        assert waiter.is_alive(), "prepare_default_model did not wait for the lock"
+        (target / default_model._DONE_MARKER).write_text("")
+        (target / default_model.GGUF_FILENAME).write_bytes(b"")
+    waiter.join(timeout=10)
+    assert results == [target] and conversions == []

@@ -26,6 +26,8 @@ from engine.models.llama import DecoderModel
 from engine.models.loader import load_model
 from engine.models.quantized import MAX_KERNEL_ROWS, TiledWeight, dequantize
 
+pytestmark = pytest.mark.slow
+
 HELDOUT = Path(__file__).parent.parent.parent / "data" / "heldout.txt"
 # Measured bounds sit several times above what correct quantization gives (printed below)
 # and far below what a broken one does (checked in test_the_bounds_catch_broken_scales).
