@@ -14,20 +14,26 @@
 
 namespace pagedserve::PAGEDSERVE_ISA {
 
-// exp(x) of simd_avx512.h's exp_ps, for one float: the same polynomial and clamp at -87.
-inline float exp_poly(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  float r = x - n * 0.693359375f;
+// exp(n * ln2 + r) / 2^n for |r| <= ln2 / 2, given n = round(x / ln2): simd_avx512.h's
+// exp_ps polynomial, for a float or a generic vector of floats.
+template <typename F>
+PAGEDSERVE_INLINE F exp_reduced(F x, F n) {
+  F r = x - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
-  float y = 1.9875691500e-4f;
+  F y = r * 0.0f + 1.9875691500e-4f;
   y = y * r + 1.3981999507e-3f;
   y = y * r + 8.3334519073e-3f;
   y = y * r + 4.1665795894e-2f;
   y = y * r + 1.6666665459e-1f;
   y = y * r + 5.0000001201e-1f;
-  y = y * (r * r) + (r + 1.0f);
-  return std::ldexp(y, static_cast<int>(n));
+  return y * (r * r) + (r + 1.0f);
+}
+
+// exp(x) of exp_ps, for one float: the same polynomial and clamp at -87.
+inline float exp_poly(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  return std::ldexp(exp_reduced(x, n), static_cast<int>(n));
 }
 
 struct VecScalar {
@@ -95,17 +101,8 @@ struct VecGeneric {
     const I low = x < set1(-87.0f);
     x = (F)(((I)x & ~low) | ((I)set1(-87.0f) & low));
     const F n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to int
-    F r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    F y = set1(1.9875691500e-4f);
-    y = y * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * (r * r) + (r + 1.0f);
     const I two_n = (__builtin_convertvector(n, I) + 127) << 23;
-    return y * (F)two_n;
+    return exp_reduced(x, n) * (F)two_n;
   }
   PAGEDSERVE_INLINE static F keep_first(F x, int cnt) { return (F)((I)x & lanes_below(cnt)); }
   PAGEDSERVE_INLINE static F low_first(F x, int cnt) {
