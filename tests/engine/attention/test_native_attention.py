@@ -3,6 +3,7 @@ every instruction set this CPU runs (the op's `isa` argument)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from engine.ops.loader import NativeKernels, native_kernels
 from tests.engine.attention.test_torch_backend import CASES, dense_reference
 from tests.isas import CPU_LACKS, isa_params
+from tests.threads import torch_threads
 
 # (computed, new) per request; "chunked" continues prompts that already have history.
 NATIVE_CASES = CASES | {
@@ -29,6 +31,14 @@ LAYER = 1
 # Every instruction set this build holds and this CPU runs (no skip: an empty list fails).
 # Kernel tests run over every set built (isa_params), those this CPU lacks skipped.
 ISAS = list(native_kernels().supported)
+
+
+@pytest.fixture(autouse=True)
+def _two_threads_at_least() -> Iterator[None]:
+    """The kernels plan their work items by thread count and run them in parallel: at least
+    two threads, also in a test worker pinned to one CPU (tests/conftest.py)."""
+    with torch_threads(max(2, torch.get_num_threads())):
+        yield
 
 
 @dataclass
