@@ -77,7 +77,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     from engine import AsyncLLM, EngineArgs, EngineHooks, SamplingParams, StructuredOutputsParams
 
     engine = AsyncLLM.from_engine_args(
-        EngineArgs(model=args.model, dtype=args.dtype, max_num_seqs=args.concurrency),
+        EngineArgs(
+            model=args.model,
+            dtype=args.dtype,
+            max_num_seqs=args.concurrency,
+            engine_in_process=True,  # reads the core's grammar compiler and step profile
+        ),
         EngineHooks(profile=True),
     )
     engine.start()

@@ -1,6 +1,14 @@
 """AsyncLLM: the engine's asyncio face, and the only one the HTTP gateway sees.
 
-One background task owns the engine. It drains an inbox of adds and aborts into the
+It is the frontend: tokenizer, detokenization, stop strings, the `n` fan-out and the
+callers' streams live here, whichever way the engine core runs.
+
+By default the core runs in a process of its own (engine.core_proc): the inbox's adds and
+aborts go there in batches over ZMQ, each step's outputs come back, and the frontend's host
+work runs beside the model rather than between its steps, on a GIL of its own.
+
+In-process (EngineArgs.engine_in_process, and always for LLM), one background task owns the
+engine. It drains an inbox of adds and aborts into the
 EngineCore, starts a run of steps in a single worker thread so the event loop stays free, and
 hands each step's outputs to the OutputProcessor (detokenization, stop strings, the `n`
 fan-out). Each caller's request then receives RequestOutputs on its own collector. A run
@@ -13,14 +21,31 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import EngineArgs, EngineConfig, EngineHooks
+import msgspec
+
+from engine.config import EngineArgs, EngineConfig, EngineHooks, load_tokenizer
 from engine.core import EngineCore
+from engine.core_client import CoreProcess
+from engine.core_proc import (
+    ABORT,
+    ADD,
+    ENCODER,
+    FAILED,
+    FATAL,
+    REJECT,
+    REPLY,
+    STEP,
+    STEP_DECODER,
+    VIEW,
+    CoreRequest,
+)
 from engine.errors import EngineClosedError, EngineDeadError, RequestValidationError
 from engine.introspection import EngineMonitor, EngineView
 from engine.output_processor import OutputProcessor
@@ -71,15 +96,22 @@ def engine_thread() -> ThreadPoolExecutor:
 
 class AsyncLLM:
     def __init__(
-        self, core: EngineCore, tokenizer: Any, executor: ThreadPoolExecutor | None = None
+        self,
+        core: EngineCore | CoreProcess,
+        tokenizer: Any,
+        executor: ThreadPoolExecutor | None = None,
     ) -> None:
-        self.core = core
+        """`core`: an EngineCore to step on this process's engine thread, or a loaded
+        CoreProcess to drive over its sockets."""
+        self._remote = core if isinstance(core, CoreProcess) else None
+        # The in-process core; None when it runs in a process of its own.
+        self.core = None if isinstance(core, CoreProcess) else core
         self.config: EngineConfig = core.config
         self.tokenizer = tokenizer
         self._processor = OutputProcessor(tokenizer, core.config.model.arch.eos_token_ids)
         self._inbox: asyncio.Queue[_Add | _Abort | _ResetPrefixCache] = asyncio.Queue()
         self._collectors: dict[str, OutputCollector] = {}
-        self._executor = executor or engine_thread()
+        self._executor = None if self._remote is not None else executor or engine_thread()
         self._task: asyncio.Task[None] | None = None
         self._step: Future[None] | None = None  # the run of steps in the worker thread
         # Each step's result, and whether its run ended with it (or the exception a step
@@ -97,7 +129,8 @@ class AsyncLLM:
         # Engine requests that ended on a stop string, to abort before the next step.
         self._stop_aborts: list[str] = []
         self._monitor = EngineMonitor(
-            core.scheduler, lambda: core.num_steps, core.config.cache.enable_prefix_caching
+            None if self.core is None else self.core.state,
+            core.config.cache.enable_prefix_caching,
         )
         # True while a step runs in the worker thread: engine state is off limits then.
         self._stepping = False
@@ -111,10 +144,29 @@ class AsyncLLM:
         # idle: readiness compares it with now to detect a stalled loop.
         self.last_progress = time.monotonic()
 
+    def _core(self) -> EngineCore:
+        assert self.core is not None, "the engine core runs in a process of its own"
+        return self.core
+
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, hooks: EngineHooks | None = None) -> AsyncLLM:
-        """Loads the model (blocking: run it in a thread from async code) on the thread
-        that will run the steps (engine_thread)."""
+    def from_engine_args(
+        cls,
+        args: EngineArgs,
+        hooks: EngineHooks | None = None,
+        logging_config: dict[str, Any] | None = None,
+    ) -> AsyncLLM:
+        """Loads the model (blocking: run it in a thread from async code): in an engine core
+        process (configured with `logging_config`, a logging.config.dictConfig, if given),
+        or with `args.engine_in_process` on the thread that will run the steps
+        (engine_thread)."""
+        if not args.engine_in_process:
+            process = CoreProcess.launch(args, hooks, logging_config)
+            try:
+                tokenizer = load_tokenizer(process.config.model)
+            except BaseException:
+                process.close()
+                raise
+            return cls(process, tokenizer)
         executor = engine_thread()
         try:
             core = executor.submit(EngineCore.from_args, args, hooks).result()
@@ -129,7 +181,12 @@ class AsyncLLM:
         """Starts the background loop on the running event loop."""
         if self._task is None:
             self._listener = stats_listener
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
+            loop = asyncio.get_running_loop()
+            if self._remote is not None:
+                self._remote.connect()
+                self._task = loop.create_task(self._run_remote(), name="engine-frontend")
+            else:
+                self._task = loop.create_task(self._run(), name="engine-loop")
 
     async def stop(self) -> None:
         """Cancels the loop; waits for a step in flight without blocking the event loop
@@ -141,10 +198,14 @@ class AsyncLLM:
                 await self._task
             except asyncio.CancelledError:
                 logger.debug("engine loop cancelled")
+        if self._remote is not None:
+            await self._remote.shutdown()
+            return
+        assert self._executor is not None
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self._step is not None:
             await asyncio.gather(asyncio.wrap_future(self._step), return_exceptions=True)
-        self.core.close()
+        self._core().close()
 
     def close(self, reason: str) -> None:
         """Cuts off every open request and refuses new ones: their streams, and later
@@ -162,8 +223,11 @@ class AsyncLLM:
     @property
     def fatal_error(self) -> str | None:
         """Why the engine can never run a step again though its loop lives (a
-        tensor-parallel worker died), or None; a server should exit on it."""
-        return self.core.failure()
+        tensor-parallel worker died, the core process exited), or None; a server should exit
+        on it."""
+        if self._remote is not None:
+            return self._remote.failure
+        return self._core().failure()
 
     @property
     def has_pending_work(self) -> bool:
@@ -228,9 +292,13 @@ class AsyncLLM:
         constraint = params.structured_outputs
         if constraint is None:
             return
-        if self.core.grammars is None:
+        if self._remote is not None:
+            await self._remote.call("check_constraint", constraint)
+            return
+        grammars = self._core().grammars
+        if grammars is None:
             raise RequestValidationError("this engine has no grammar engine", "structured_outputs")
-        await asyncio.wrap_future(self.core.grammars.compile(constraint))
+        await asyncio.wrap_future(grammars.compile(constraint))
 
     def abort(self, request_id: str) -> None:
         """Asks the loop to end a request; unknown or finished ids are ignored."""
@@ -241,7 +309,7 @@ class AsyncLLM:
         then; returns whether it did (KV event subscribers get AllBlocksCleared)."""
         done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._post(_ResetPrefixCache(done))
-        return await done
+        return bool(await done)
 
     async def watch(self) -> AsyncIterator[EngineView]:
         """Yields views of the engine's state (ids and counts, never text): an EngineSnapshot
@@ -250,15 +318,21 @@ class AsyncLLM:
         engine loop stops. Views are taken only while someone watches."""
         watcher = self._monitor.subscribe()
         try:
+            if self._remote is not None and self._monitor.num_watchers == 1:
+                # The core process sends its state as views come due (see core_proc).
+                monitor = self._monitor
+                self._remote.call("watch", (monitor.min_interval, monitor.max_share))
             while self.is_alive:
                 view = await watcher.get(timeout=self._monitor.min_interval)
                 if view is not None:
                     yield view
-                elif not self._stepping:
+                elif self._remote is None and not self._stepping:
                     # Idle: no step will come to take the view, and none is in flight.
                     self._monitor.capture_if_due()
         finally:
             self._monitor.unsubscribe(watcher)
+            if self._remote is not None and self._remote.alive and not self._monitor.num_watchers:
+                self._remote.call("watch", None)
 
     def _post(self, message: _Add | _Abort | _ResetPrefixCache) -> None:
         self._inbox.put_nowait(message)
@@ -286,27 +360,29 @@ class AsyncLLM:
         next run. A stop string found in step N's outputs ends its choice at once for the
         caller; its engine request is aborted before step N + 2, one wasted token later."""
         loop = asyncio.get_running_loop()
+        executor = self._executor
+        assert executor is not None
         last: StepResult | None = None  # a run's last step, handled once the next one starts
         try:
             while True:
                 self._apply_stop_aborts()
-                if last is None and not self.core.has_unfinished_requests():
+                if last is None and not self._core().has_unfinished_requests():
                     self._apply(await self._inbox.get())
                     self.last_progress = time.monotonic()
                 while not self._inbox.empty():
                     self._apply(self._inbox.get_nowait())
-                running = self.core.has_unfinished_requests()
+                running = self._core().has_unfinished_requests()
                 if running:
                     self._handover = False
                     self._stepping = True
-                    self._step = self._executor.submit(self._steps, loop)
+                    self._step = executor.submit(self._steps, loop)
                 if last is not None:
                     self._handle(last)
                     last = None
                 if not running:
                     # Idle (all done, or aborted): publish the gauges as they are now, as
                     # no step will.
-                    stats = self.core.stats()
+                    stats = self._core().stats()
                     self._waiting_load = [stats.num_waiting, stats.num_waiting_tokens]
                     self._publish(stats, IterationStats())
                     continue
@@ -339,7 +415,7 @@ class AsyncLLM:
         while True:
             final = True
             try:
-                result: StepResult | BaseException = self.core.step()
+                result: StepResult | BaseException = self._core().step()
                 self._posted += 1
                 # _handled before _handover: the loop sets _handover before it counts the
                 # step whose stop strings asked for it, so a counted step's ask is seen.
@@ -347,7 +423,7 @@ class AsyncLLM:
                     self._handled < self._posted - 1
                     or self._handover
                     or self._monitor.due()
-                    or not self.core.has_unfinished_requests()
+                    or not self._core().has_unfinished_requests()
                 )
             except BaseException as exc:
                 result = exc
@@ -358,13 +434,135 @@ class AsyncLLM:
             if final:
                 return
 
+    # ---- the loop, with the core in a process of its own ----------------------------
+
+    async def _run_remote(self) -> None:
+        """Reads the core's frames: each step's outputs go through _handle, as in-process;
+        stop strings' aborts go back at once. The inbox drains in a task of its own."""
+        assert self._remote is not None
+        sender = asyncio.get_running_loop().create_task(self._send_inbox(), name="engine-inbox")
+        try:
+            while True:
+                frames = await self._remote.recv()
+                kind = frames[0]
+                if kind == STEP:
+                    result = STEP_DECODER.decode(frames[1])
+                    self.last_progress = time.monotonic()
+                    self._waiting_load = [result.stats.num_waiting, result.stats.num_waiting_tokens]
+                    self._handle(result)
+                    if self._stop_aborts:
+                        self._remote.send(ABORT, ENCODER.encode(self._stop_aborts))
+                        self._stop_aborts = []
+                elif kind == REPLY:
+                    self._remote.reply(frames[1], frames[2])
+                elif kind == VIEW:
+                    self._monitor.capture(*pickle.loads(frames[1]))
+                elif kind == REJECT:
+                    self._reject(msgspec.msgpack.decode(frames[1]), pickle.loads(frames[2]))
+                elif kind == FATAL:
+                    self._remote.failure = msgspec.msgpack.decode(frames[1])
+                elif kind == FAILED:
+                    raise RuntimeError(msgspec.msgpack.decode(frames[1]))
+                else:
+                    raise ValueError(f"unknown frame kind {kind!r} from the engine core")
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            logger.exception("engine frontend failed")
+            self.error = exc
+            for collector in self._collectors.values():
+                collector.put(EngineDeadError(f"the engine failed: {exc!r}"))
+        finally:
+            sender.cancel()
+
+    async def _send_inbox(self) -> None:
+        """Sends what the inbox holds, in one batch of adds and one of aborts per wake-up:
+        callers that arrive together reach the core in one message."""
+        assert self._remote is not None
+        while True:
+            messages = [await self._inbox.get()]
+            while not self._inbox.empty():
+                messages.append(self._inbox.get_nowait())
+            adds: list[CoreRequest] = []
+            aborts: list[str] = []
+            for message in messages:
+                if isinstance(message, _Add):
+                    adds += self._admit(message)
+                    continue
+                if adds:  # in order: what came before this message reaches the core first
+                    self._remote.send(ADD, ENCODER.encode(adds))
+                    adds = []
+                if isinstance(message, _Abort):
+                    aborts += self._abort_choices(message.request_id)
+                    continue
+                if aborts:
+                    self._remote.send(ABORT, ENCODER.encode(aborts))
+                    aborts = []
+                self._call_reset(message)
+            if adds:
+                self._remote.send(ADD, ENCODER.encode(adds))
+            if aborts:
+                self._remote.send(ABORT, ENCODER.encode(aborts))
+            if not self._collectors:
+                self.last_progress = time.monotonic()
+
+    def _admit(self, message: _Add) -> list[CoreRequest]:
+        """The engine requests of a caller's request that is still there, tracked by the
+        output processor from now on."""
+        self._count(self._inbox_load, message, -1)
+        if message.request_id not in self._collectors:
+            return []  # the caller left before the inbox was sent
+        requests = self._processor.add_request(
+            message.request_id,
+            message.prompt_token_ids,
+            message.params,
+            message.cache_salt,
+            message.prompt,
+            message.labels,
+            message.arrival_time,
+        )
+        self._count(self._waiting_load, message, +1)
+        return [CoreRequest.of(request) for request in requests]
+
+    def _abort_choices(self, request_id: str) -> list[str]:
+        engine_ids, stats = self._processor.abort_request(request_id)
+        self._abort_stats.finished += stats.finished
+        return engine_ids
+
+    def _call_reset(self, message: _ResetPrefixCache) -> None:
+        assert self._remote is not None
+        reply = self._remote.call("reset_prefix_cache")
+
+        def done(reply: asyncio.Future[Any]) -> None:
+            if message.done.done():
+                return
+            if reply.exception() is not None:
+                message.done.set_exception(reply.exception())  # type: ignore[arg-type]
+            else:
+                message.done.set_result(reply.result())
+
+        reply.add_done_callback(done)
+
+    def _reject(self, engine_id: str, error: BaseException) -> None:
+        """The core refused one of a request's choices: the whole request ends with it."""
+        request_id = engine_id.rsplit("-", 1)[0]
+        collector = self._collectors.get(request_id)
+        others = [i for i in self._abort_choices(request_id) if i != engine_id]
+        if others:
+            assert self._remote is not None
+            self._remote.send(ABORT, ENCODER.encode(others))
+        if collector is not None:
+            collector.put(error)
+
+    # ---- the loop's parts --------------------------------------------------------------
+
     def _apply(self, message: _Add | _Abort | _ResetPrefixCache) -> None:
         if isinstance(message, _Abort):
             self._abort(message.request_id)
             return
         if isinstance(message, _ResetPrefixCache):
             if not message.done.done():
-                message.done.set_result(self.core.reset_prefix_cache())
+                message.done.set_result(self._core().reset_prefix_cache())
             return
         self._count(self._inbox_load, message, -1)
         collector = self._collectors.get(message.request_id)
@@ -381,7 +579,7 @@ class AsyncLLM:
         )
         try:
             for request in requests:
-                self.core.add_request(request)
+                self._core().add_request(request)
         except ValueError as exc:
             self._abort(message.request_id)
             collector.put(exc)
@@ -395,13 +593,11 @@ class AsyncLLM:
         load[1] += sign * add.params.n * len(add.prompt_token_ids)
 
     def _abort(self, request_id: str) -> None:
-        engine_ids, stats = self._processor.abort_request(request_id)
-        self.core.abort_requests(engine_ids)
-        self._abort_stats.finished += stats.finished
+        self._core().abort_requests(self._abort_choices(request_id))
 
     def _apply_stop_aborts(self) -> None:
         if self._stop_aborts:
-            self.core.abort_requests(self._stop_aborts)
+            self._core().abort_requests(self._stop_aborts)
             self._stop_aborts = []
 
     def _handle(self, result: StepResult) -> None:

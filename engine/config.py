@@ -93,6 +93,11 @@ class EngineArgs:
         "shard the model over this many worker processes (Megatron-style; gloo on CPU, NCCL "
         "on GPU, one GPU each); float weights only",
     )
+    engine_in_process: bool = _arg(
+        False,
+        "run the engine core (scheduler, KV cache, model) in the server's process, sharing "
+        "its GIL with the HTTP side; by default it runs in a process of its own",
+    )
     kv_events_config: str | None = _arg(
         None,
         "KV cache events for prefix-aware routers, as vLLM's --kv-events-config: a JSON "

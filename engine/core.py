@@ -23,6 +23,7 @@ from engine.config import (
     resolve_scheduler_config,
 )
 from engine.errors import RequestValidationError
+from engine.introspection import CoreState, core_state
 from engine.kv_cache import KVCacheManager
 from engine.kv_events import KVEventsConfig
 from engine.request import Request, RequestStatus
@@ -160,6 +161,10 @@ class EngineCore:
         ]
         if compiling:
             wait(compiling, timeout=GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
+
+    def state(self) -> CoreState:
+        """What the live view reads, between steps."""
+        return core_state(self.scheduler, self.num_steps)
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix (publishing AllBlocksCleared) when no request holds

@@ -14,6 +14,9 @@ class RequestValidationError(ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self) -> tuple[type[RequestValidationError], tuple[str, str | None]]:
+        return type(self), (str(self), self.param)  # the engine core process sends it
+
 
 class EngineDeadError(RuntimeError):
     """The engine loop failed; no request can make progress any more."""

@@ -60,3 +60,22 @@ def configure_logging(level: str, fmt: str) -> dict[str, Any]:
             "uvicorn.access": {"level": "WARNING", "handlers": [], "propagate": True},
         },
     }
+
+
+def process_logging_config(level: str, fmt: str) -> dict[str, Any]:
+    """A logging.config.dictConfig that makes another process (the engine core) log as
+    configure_logging makes this one: same level, same format, to stderr."""
+    formatter = JsonFormatter if fmt == "json" else TextFormatter
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"pagedserve": {"()": f"{formatter.__module__}.{formatter.__qualname__}"}},
+        "handlers": {
+            "stderr": {
+                "class": "logging.StreamHandler",
+                "stream": "ext://sys.stderr",
+                "formatter": "pagedserve",
+            }
+        },
+        "root": {"level": level.upper(), "handlers": ["stderr"]},
+    }

@@ -21,7 +21,7 @@ import uvicorn
 
 from engine import AsyncLLM, EngineArgs, EngineHooks
 from server.app import create_app
-from server.logging_setup import configure_logging
+from server.logging_setup import configure_logging, process_logging_config
 from server.settings import AppState, Phase, ServerSettings
 
 logger = logging.getLogger("pagedserve.server")
@@ -137,7 +137,9 @@ def run_server(settings: ServerSettings, engine_args: EngineArgs) -> int:
     def load() -> AsyncLLM:
         if load_delay > 0:
             time.sleep(load_delay)
-        return AsyncLLM.from_engine_args(engine_args, hooks)
+        return AsyncLLM.from_engine_args(
+            engine_args, hooks, process_logging_config(settings.log_level, settings.log_format)
+        )
 
     try:
         app = create_app(load, settings)

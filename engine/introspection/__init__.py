@@ -1,5 +1,6 @@
 """A live view of the engine: the block pool, the queues and the prefix cache. Pure Python."""
 
+from engine.introspection.capture import CoreState, core_state
 from engine.introspection.monitor import FINISHED_KEEP, FINISHED_TTL, EngineMonitor, Watcher
 from engine.introspection.view import (
     BlockCounts,
@@ -19,6 +20,7 @@ __all__ = [
     "FINISHED_TTL",
     "BlockCounts",
     "BlockState",
+    "CoreState",
     "EngineDelta",
     "EngineGauges",
     "EngineMonitor",
@@ -29,4 +31,5 @@ __all__ = [
     "FinishedView",
     "RequestView",
     "Watcher",
+    "core_state",
 ]

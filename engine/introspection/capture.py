@@ -16,12 +16,15 @@ front:
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from itertools import chain
 
 from engine.introspection.view import (
     BlockState,
     EngineDelta,
+    EngineGauges,
     EngineSnapshot,
+    EngineTotals,
     RequestView,
 )
 from engine.kv_cache import BlockPool, KVCacheBlock
@@ -37,6 +40,34 @@ _FREE, _CACHED, _IN_USE, _SHARED = (
 # Delta runs are whole chunks of this many blocks: comparing slices runs at C speed, so a
 # diff costs microseconds even for a pool of a hundred thousand blocks.
 RUN = 64
+
+
+@dataclass(frozen=True)
+class CoreState:
+    """What a view reads out of the engine core, between steps. With the core in a process
+    of its own, this is what crosses to the frontend, which adds the finished requests and
+    the rates."""
+
+    num_blocks: int
+    block_size: int
+    states: str
+    eviction_order: tuple[tuple[int, int], ...]
+    requests: tuple[RequestView, ...]
+    gauges: EngineGauges
+    totals: EngineTotals
+
+
+def core_state(scheduler: Scheduler, num_steps: int) -> CoreState:
+    kv = scheduler.kv_cache
+    return CoreState(
+        kv.num_blocks,
+        kv.block_size,
+        block_states(kv.pool),
+        eviction_order(kv.pool),
+        request_views(scheduler),
+        EngineGauges(len(scheduler.running), len(scheduler.waiting), kv.usage()),
+        EngineTotals(num_steps, kv.counters.queries, kv.counters.hits, scheduler.total_preemptions),
+    )
 
 
 def block_states(pool: BlockPool) -> str:

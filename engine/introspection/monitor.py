@@ -14,11 +14,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from engine.introspection.capture import block_states, delta, eviction_order, request_views
+from engine.introspection.capture import CoreState, delta
 from engine.introspection.view import (
     BlockCounts,
     EngineDelta,
-    EngineGauges,
     EngineRates,
     EngineSnapshot,
     EngineTotals,
@@ -26,7 +25,7 @@ from engine.introspection.view import (
     FinishedView,
 )
 from engine.outputs import FinishedRequestStats, IterationStats
-from engine.scheduler import Scheduler, SchedulerStats
+from engine.scheduler import SchedulerStats
 
 # A finished request stays on view this many seconds, among the latest FINISHED_KEEP.
 FINISHED_TTL = 60.0
@@ -64,17 +63,17 @@ class Watcher:
 class EngineMonitor:
     def __init__(
         self,
-        scheduler: Scheduler,
-        num_steps: Callable[[], int],
+        source: Callable[[], CoreState] | None,
         prefix_caching: bool,
         min_interval: float = 0.5,
         max_share: float = 0.005,
     ) -> None:
-        self.scheduler = scheduler
+        """`source` reads the core's state (core_state); None when the core runs in another
+        process, whose state the caller fetches and hands to capture()."""
         self.min_interval = min_interval
-        self._num_steps = num_steps
+        self._source = source
         self._prefix_caching = prefix_caching
-        self._max_share = max_share
+        self.max_share = max_share
         self._watchers: list[Watcher] = []
         self._last: EngineSnapshot | None = None
         self._last_taken = 0.0  # monotonic time of the last view
@@ -93,6 +92,10 @@ class EngineMonitor:
         self._watchers.append(watcher)
         self._next_due = 0.0
         return watcher
+
+    @property
+    def num_watchers(self) -> int:
+        return len(self._watchers)
 
     def unsubscribe(self, watcher: Watcher) -> None:
         self._watchers.remove(watcher)
@@ -114,46 +117,41 @@ class EngineMonitor:
         if self.due():
             self.capture()
 
-    def capture(self) -> None:
-        start = time.perf_counter()
-        snapshot = self._snapshot()
+    def capture(self, state: CoreState | None = None, cost: float = 0.0) -> None:
+        """Takes a view of `state` (by default, of the source now) for the watchers; `cost`
+        is the seconds it took to fetch `state` from elsewhere."""
+        start = time.perf_counter() - cost
+        if state is None:
+            assert self._source is not None, "a monitor without a source captures given states"
+            state = self._source()
+        snapshot = self._snapshot(state)
         change = None if self._last is None else delta(self._last, snapshot)
         for watcher in self._watchers:
             watcher.offer(snapshot, change)
         self._last = snapshot
         self._last_cost = time.perf_counter() - start
-        interval = max(self.min_interval, self._last_cost / self._max_share)
+        interval = max(self.min_interval, self._last_cost / self.max_share)
         self._last_taken = time.monotonic()
         self._next_due = self._last_taken + interval
 
-    def _snapshot(self) -> EngineSnapshot:
-        kv = self.scheduler.kv_cache
-        states = block_states(kv.pool)
+    def _snapshot(self, state: CoreState) -> EngineSnapshot:
         now = time.time()
         while self._finished and self._finished[0].finished_at < now - FINISHED_TTL:
             self._finished.popleft()
-        totals = EngineTotals(
-            self._num_steps(),
-            kv.counters.queries,
-            kv.counters.hits,
-            self.scheduler.total_preemptions,
-        )
         return EngineSnapshot(
             seq=0 if self._last is None else self._last.seq + 1,
             time=now,
-            num_blocks=kv.num_blocks,
-            block_size=kv.block_size,
+            num_blocks=state.num_blocks,
+            block_size=state.block_size,
             prefix_caching=self._prefix_caching,
-            states=states,
-            eviction_order=eviction_order(kv.pool),
-            requests=request_views(self.scheduler),
+            states=state.states,
+            eviction_order=state.eviction_order,
+            requests=state.requests,
             finished=tuple(self._finished),
-            counts=BlockCounts.of(states),
-            gauges=EngineGauges(
-                len(self.scheduler.running), len(self.scheduler.waiting), kv.usage()
-            ),
-            totals=totals,
-            rates=self._rates(totals),
+            counts=BlockCounts.of(state.states),
+            gauges=state.gauges,
+            totals=state.totals,
+            rates=self._rates(state.totals),
         )
 
     def _rates(self, totals: EngineTotals) -> EngineRates | None:

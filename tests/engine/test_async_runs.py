@@ -41,7 +41,13 @@ class Runs:
 
 
 def make_engine(path: Path) -> AsyncLLM:
-    args = EngineArgs(model=str(path), dtype="float32", num_kv_blocks=64, max_model_len=256)
+    args = EngineArgs(
+        model=str(path),
+        dtype="float32",
+        num_kv_blocks=64,
+        max_model_len=256,
+        engine_in_process=True,
+    )
     return AsyncLLM.from_engine_args(args, EngineHooks(step_delay=STEP_DELAY))
 
 

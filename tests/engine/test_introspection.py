@@ -8,7 +8,7 @@ import random
 from dataclasses import replace
 
 from engine.introspection import BlockState, EngineDelta, EngineMonitor, EngineSnapshot
-from engine.introspection.capture import block_states, eviction_order, request_views
+from engine.introspection.capture import block_states, core_state, eviction_order, request_views
 from engine.kv_cache import BlockPool
 from engine.outputs import FinishedRequestStats, IterationStats
 from engine.request import Request
@@ -142,7 +142,9 @@ class Watched:
     def __init__(self, **scheduler_args: int) -> None:
         self.sched = make_scheduler(**scheduler_args)
         self.steps = 0
-        self.monitor = EngineMonitor(self.sched, lambda: self.steps, True, min_interval=0.0)
+        self.monitor = EngineMonitor(
+            lambda: core_state(self.sched, self.steps), True, min_interval=0.0
+        )
 
     def step(self, iteration: IterationStats | None = None) -> SchedulerStats:
         stats = step(self.sched)
@@ -183,7 +185,7 @@ def test_a_snapshot_then_deltas_rebuild_every_view() -> None:
 def test_a_watcher_that_falls_behind_gets_a_whole_snapshot() -> None:
     async def run() -> None:
         sched = make_scheduler()
-        monitor = EngineMonitor(sched, lambda: 0, True, min_interval=0.0)
+        monitor = EngineMonitor(lambda: core_state(sched, 0), True, min_interval=0.0)
         keeping_up, behind = monitor.subscribe(), monitor.subscribe()
         monitor.capture()
         assert isinstance(await keeping_up.get(1), EngineSnapshot)
@@ -247,7 +249,8 @@ def test_a_slow_view_spaces_out_the_next_ones() -> None:
     seconds makes the next wait t / max_share (here: forever)."""
 
     async def run() -> None:
-        monitor = EngineMonitor(make_scheduler(), lambda: 0, True, 0.0, max_share=1e-12)
+        sched = make_scheduler()
+        monitor = EngineMonitor(lambda: core_state(sched, 0), True, 0.0, max_share=1e-12)
         watcher = monitor.subscribe()
         monitor.capture_if_due()
         assert await watcher.get(1) is not None

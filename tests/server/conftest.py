@@ -19,7 +19,11 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def tiny_engine(path: Path, hooks: EngineHooks | None = None, **kwargs: object) -> AsyncLLM:
     options: dict[str, object] = dict(
-        model=str(path), dtype="float32", num_kv_blocks=256, max_model_len=256
+        model=str(path),
+        dtype="float32",
+        num_kv_blocks=256,
+        max_model_len=256,
+        engine_in_process=True,
     )
     options.update(kwargs)
     return AsyncLLM.from_engine_args(EngineArgs(**options), hooks)  # type: ignore[arg-type]
@@ -34,7 +38,12 @@ def tiny_server(tiny_model_dir: Path) -> Iterator[LiveServer]:
 @pytest.fixture(scope="module")
 def default_server(default_model_dir: Path) -> Iterator[LiveServer]:
     engine = AsyncLLM.from_engine_args(
-        EngineArgs(model=str(default_model_dir), dtype="float32", max_model_len=1024)
+        EngineArgs(
+            model=str(default_model_dir),
+            dtype="float32",
+            max_model_len=1024,
+            engine_in_process=True,
+        )
     )
     with LiveServer(engine) as server:
         yield server

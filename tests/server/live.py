@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
@@ -15,9 +16,23 @@ import httpx
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine import AsyncLLM
+from engine import AsyncLLM, BlockCounts
+from engine.introspection import CoreState
 from server.app import create_app
 from server.settings import AppState, ServerSettings
+
+
+async def _await(future: Any) -> Any:
+    return await future
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """The value of one sample a server at `url` exports (the model_name label is implied)."""
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    raise AssertionError(f"{name} {labels} is not exported")
 
 
 def free_port() -> int:
@@ -63,15 +78,30 @@ class LiveServer:
 
     def engine_is_idle(self) -> bool:
         """Nothing running or waiting, no block held, no request object left anywhere."""
-        scheduler = self.engine.core.scheduler
-        held = sum(len(b) for b in scheduler.kv_cache.req_to_blocks.values())
+        if self.engine.core is None:  # the core runs in a process of its own: ask it
+            state = self.core_state()
+            counts = BlockCounts.of(state.states)
+            held = counts.in_use + counts.shared
+            queued = state.requests
+        else:
+            scheduler = self.engine.core.scheduler
+            held = sum(len(b) for b in scheduler.kv_cache.req_to_blocks.values())
+            queued = (*scheduler.running, *scheduler.waiting)
         return (
-            not scheduler.running
-            and not scheduler.waiting
+            not queued
             and held == 0
             and not self.engine.has_pending_work
             and self.state.in_flight == 0
         )
+
+    def core_state(self) -> CoreState:
+        """The engine core process's state now, read between two of its steps."""
+        remote = self.engine._remote
+        assert remote is not None and self.engine._task is not None
+        loop = self.engine._task.get_loop()
+        call = asyncio.run_coroutine_threadsafe(_await(remote.call("core_state")), loop)
+        state, _ = call.result(timeout=30)
+        return state
 
     def wait_idle(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -81,13 +111,7 @@ class LiveServer:
 
     def metric(self, name: str, **labels: str) -> float:
         """The value of one exported sample (the model_name label is implied)."""
-        for family in text_string_to_metric_families(httpx.get(f"{self.url}/metrics").text):
-            for sample in family.samples:
-                if sample.name == name and all(
-                    sample.labels.get(k) == v for k, v in labels.items()
-                ):
-                    return float(sample.value)
-        raise AssertionError(f"{name} {labels} is not exported")
+        return metric(self.url, name, **labels)
 
     def __enter__(self) -> LiveServer:
         self.thread.start()

@@ -84,7 +84,13 @@ def test_builtin_hermes_rendering_for_templates_without_tools() -> None:
 def template_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     path = make_tiny_model("llama", tmp_path_factory.mktemp("tpl"), byte_level=True)
     engine = AsyncLLM.from_engine_args(
-        EngineArgs(model=str(path), dtype="float32", num_kv_blocks=128, max_model_len=1024)
+        EngineArgs(
+            model=str(path),
+            dtype="float32",
+            num_kv_blocks=128,
+            max_model_len=1024,
+            engine_in_process=True,
+        )
     )
     with LiveServer(engine, chat_template=TOOL_TEMPLATE) as live:
         yield live

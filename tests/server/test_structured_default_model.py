@@ -77,7 +77,11 @@ SAMPLINGS = [dict(temperature=0.0), dict(temperature=1.0, seed=1), dict(temperat
 def default_server(default_model_dir: Path) -> Iterator[LiveServer]:
     """The default model with a small KV cache (the suite runs several servers)."""
     args = EngineArgs(
-        model=str(default_model_dir), dtype="float32", max_model_len=1024, kv_cache_memory=512 << 20
+        model=str(default_model_dir),
+        dtype="float32",
+        max_model_len=1024,
+        kv_cache_memory=512 << 20,
+        engine_in_process=True,
     )
     with LiveServer(AsyncLLM.from_engine_args(args)) as server:
         yield server

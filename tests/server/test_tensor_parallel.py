@@ -15,15 +15,24 @@ from tests.server.live import ServerProcess
 TP_ARGS = ["--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "256"]
 
 
-def worker_pids(pid: int) -> list[int]:
-    """The server's tensor-parallel workers: its children started by multiprocessing's
-    spawn (its resource tracker is a child too, but not a worker). Any of its threads may
-    have started them (the model loads on one)."""
+def children(pid: int) -> list[int]:
+    """The processes any of `pid`'s threads started (the model loads on one)."""
     tasks = Path(f"/proc/{pid}/task").iterdir()
-    children = [child for task in tasks for child in (task / "children").read_text().split()]
+    return [int(child) for task in tasks for child in (task / "children").read_text().split()]
+
+
+def descendants(pid: int) -> list[int]:
+    found = children(pid)
+    return found + [d for child in found for d in descendants(child)]
+
+
+def worker_pids(pid: int) -> list[int]:
+    """The server's tensor-parallel workers: processes under it (under its engine core
+    process) started by multiprocessing's spawn (its resource tracker is one too, but not a
+    worker)."""
     return [
-        int(child)
-        for child in children
+        child
+        for child in descendants(pid)
         if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes()
     ]
 

@@ -66,7 +66,7 @@ def test_the_async_engine_loads_and_steps_on_one_thread(tmp_path, monkeypatch) -
     monkeypatch.setattr(EngineCore, "from_args", classmethod(recording_load))
     monkeypatch.setattr(EngineCore, "step", recording_step)
     args = EngineArgs(model=str(make_tiny_model("llama", tmp_path)), dtype="float32",
-                      num_kv_blocks=32, max_model_len=128)  # fmt: skip
+                      num_kv_blocks=32, max_model_len=128, engine_in_process=True)  # fmt: skip
     engine = AsyncLLM.from_engine_args(args)
 
     async def run() -> None:

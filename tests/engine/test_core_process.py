@@ -1,0 +1,164 @@
+"""AsyncLLM with its engine core in a process of its own (the default): the same outputs
+as in-process, and everything that crosses the boundary (rejections, aborts, the
+prefix-cache reset, a failed step) behaves as it does in-process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+from engine import (
+    AsyncLLM,
+    EngineArgs,
+    EngineDeadError,
+    EngineHooks,
+    RequestOutput,
+    RequestValidationError,
+    SamplingParams,
+)
+from engine.sampling_params import RequestOutputKind
+from tests.tiny_models import make_tiny_model
+
+ARGS = dict(dtype="float32", num_kv_blocks=64, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny-core-proc"), byte_level=True)
+
+
+def make_engine(path: Path, in_process: bool, hooks: EngineHooks | None = None) -> AsyncLLM:
+    args = EngineArgs(model=str(path), engine_in_process=in_process, **ARGS)  # type: ignore[arg-type]
+    return AsyncLLM.from_engine_args(args, hooks)
+
+
+async def final(stream: object) -> RequestOutput:
+    last = None
+    async for output in stream:  # type: ignore[attr-defined]
+        last = output
+    assert last is not None
+    return last
+
+
+def mixed_requests(engine: AsyncLLM) -> list[tuple[list[int], SamplingParams]]:
+    """Greedy and seeded sampling, n > 1, logprobs, a stop string, a shared prefix."""
+    prefix = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)
+    return [
+        ([*prefix, 40 + i], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+        for i in range(4)
+    ] + [
+        (prefix[:9], SamplingParams(n=3, temperature=0.9, seed=7, max_tokens=20, logprobs=2)),
+        (prefix[:12], SamplingParams(temperature=0.0, max_tokens=40, stop=("o",))),
+        (prefix[:5], SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=1)),
+    ]
+
+
+def run_all(engine: AsyncLLM) -> list[RequestOutput]:
+    async def run() -> list[RequestOutput]:
+        engine.start()
+        try:
+            jobs = [
+                final(engine.generate(prompt, params, f"req{i}"))
+                for i, (prompt, params) in enumerate(mixed_requests(engine))
+            ]
+            return list(await asyncio.gather(*jobs))
+        finally:
+            await engine.stop()
+
+    return asyncio.run(run())
+
+
+def test_outputs_equal_the_in_process_engine(model_dir: Path) -> None:
+    remote = make_engine(model_dir, in_process=False)
+    assert remote.core is None  # the core runs elsewhere
+    local = make_engine(model_dir, in_process=True)
+    assert local.core is not None
+    got, want = run_all(remote), run_all(local)
+    # Greedy choices are exact. A sampled choice can turn on the last bits of a logit,
+    # which differ between batch shapes, and the two runs batch differently.
+    for i in (0, 1, 2, 3, 5, 6):
+        assert [(c.token_ids, c.text, c.finish_reason) for c in got[i].outputs] == [
+            (c.token_ids, c.text, c.finish_reason) for c in want[i].outputs
+        ]
+    assert got[5].outputs[0].finish_reason == "stop" and "o" not in got[5].outputs[0].text
+    sampled = got[4].outputs
+    assert [c.index for c in sampled] == [0, 1, 2]
+    assert all(len(c.token_ids) == 20 and len(c.logprobs or ()) == 20 for c in sampled)
+    assert all(len(lp.top) == 2 for c in sampled for lp in c.logprobs or ())
+    prompt_lps = [(lp.token_id, lp.rank) for lp in got[6].prompt_logprobs or ()]
+    assert prompt_lps and prompt_lps == [
+        (lp.token_id, lp.rank) for lp in want[6].prompt_logprobs or ()
+    ]
+    for a, b in zip(got[6].prompt_logprobs or (), want[6].prompt_logprobs or (), strict=True):
+        assert a.logprob == pytest.approx(b.logprob, rel=1e-4, abs=1e-5)
+
+
+def test_a_request_the_core_refuses_ends_with_its_error(model_dir: Path) -> None:
+    """The core's own checks cross back as the exception, `param` and all."""
+    engine = make_engine(model_dir, in_process=False)
+
+    async def run() -> None:
+        engine.start()
+        engine._validate = lambda ids: None  # type: ignore[method-assign]  # let it reach the core
+        try:
+            params = SamplingParams(n=2, max_tokens=4)
+            with pytest.raises(RequestValidationError) as refused:
+                await final(engine.generate([7] * 300, params, "too-long"))
+            assert refused.value.param == "prompt" and "max_model_len" in str(refused.value)
+            ok = await final(engine.generate([7, 8, 9], SamplingParams(max_tokens=3), "fine"))
+            assert len(ok.outputs[0].token_ids) == 3
+            assert not engine.has_pending_work
+        finally:
+            await engine.stop()
+
+    asyncio.run(run())
+
+
+def test_aborts_reach_the_core_before_a_prefix_cache_reset(model_dir: Path) -> None:
+    engine = make_engine(model_dir, in_process=False)
+
+    async def run() -> None:
+        engine.start()
+        try:
+            params = SamplingParams(
+                max_tokens=200, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+            )
+            stream = engine.generate(list(range(10, 60)), params, "long")
+            await stream.__anext__()
+            # Held blocks make a reset refuse; the abort goes first, so the reset runs.
+            await stream.aclose()
+            assert await engine.reset_prefix_cache() is True
+            assert not engine.has_pending_work and engine.num_queued_requests == 0
+        finally:
+            await engine.stop()
+
+    asyncio.run(run())
+
+
+def test_a_failed_step_fails_the_streams_and_the_engine(model_dir: Path) -> None:
+    engine = make_engine(model_dir, in_process=False, hooks=EngineHooks(fail_after_steps=2))
+    pid = engine._remote.proc.pid  # type: ignore[union-attr]
+
+    async def run() -> None:
+        engine.start()
+        try:
+            params = SamplingParams(max_tokens=50, ignore_eos=True)
+            with pytest.raises(EngineDeadError, match="injected engine step failure"):
+                await final(engine.generate([5, 6, 7], params, "doomed"))
+            for _ in range(100):  # the process exits once it has said why
+                if engine.fatal_error is not None:
+                    break
+                await asyncio.sleep(0.05)
+            assert not engine.is_alive
+            assert engine.fatal_error == "the engine core process exited with code 1"
+            with pytest.raises(EngineDeadError):
+                engine.generate([5], params, "after")
+        finally:
+            await engine.stop()
+
+    asyncio.run(run())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
