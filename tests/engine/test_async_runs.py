@@ -124,7 +124,7 @@ def test_a_due_view_ends_the_run(model_dir: Path) -> None:
     async def run() -> tuple[int, int]:
         engine = make_engine(model_dir)
         monitor = engine._monitor
-        monitor.min_interval, monitor._max_share = 0.0, 1.0  # a view is due after every step
+        monitor.min_interval, monitor.max_share = 0.0, 1.0  # a view is due after every step
         captures = 0
         capture = monitor.capture
 

