@@ -36,7 +36,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 import compare_servers
 import serve_bench
 
-HOST_BOUND = "--workload random --num-requests 256 --concurrency 128 --input-len 40 --output-len 128"
+HOST_BOUND = (
+    "--workload random --num-requests 256 --concurrency 128 --input-len 40 --output-len 128"
+)
 SINGLE = "--workload random --num-requests 8 --concurrency 1 --input-len 200 --output-len 64"
 OFFLINE = """
 import json, sys, time
@@ -103,11 +105,47 @@ def serve(
         cmd += args.pagedserve_args.split()
         env = {}
     log = out.parent / f"{out.name}-{name}.log"
-    with compare_servers.server(cmd, env, url, log, timeout=600):
-        warm = f"--base-url {url} --model m --num-requests 8 --concurrency 8 --input-len 40 "
-        serve_bench.run(serve_bench.parse_args((warm + "--output-len 16").split()))
-        bench = f"--base-url {url} --model m --label {name} " + workload
-        return dict(serve_bench.run(serve_bench.parse_args(bench.split()))["summary"])
+    compare_servers.check_port_free(url)
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen(
+            cmd, env={**os.environ, **env}, stdout=sink, stderr=subprocess.STDOUT
+        )
+        try:
+            compare_servers.wait_ready(url, proc, timeout=600)
+            warm = f"--base-url {url} --model m --num-requests 8 --concurrency 8 --input-len 40 "
+            serve_bench.run(serve_bench.parse_args((warm + "--output-len 16").split()))
+            pids = [proc.pid, *descendants(proc.pid)]
+            before, client = {pid: cpu_seconds(pid) for pid in pids}, time.process_time()
+            bench = f"--base-url {url} --model m --label {name} " + workload
+            summary = dict(serve_bench.run(serve_bench.parse_args(bench.split()))["summary"])
+            # Where the CPU time went: the server's processes (the frontend first) and this
+            # load generator, all on the same CPUs.
+            summary["cpu_s"] = {
+                "server processes": [round(cpu_seconds(pid) - before[pid], 2) for pid in pids],
+                "load generator": round(time.process_time() - client, 2),
+            }
+            return summary
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def descendants(pid: int) -> list[int]:
+    tasks = Path(f"/proc/{pid}/task").iterdir()
+    found = [int(c) for task in tasks for c in (task / "children").read_text().split()]
+    return found + [d for child in found for d in descendants(child)]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of one process so far (0 once it has gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].split()
+    except FileNotFoundError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def offline(model: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -160,7 +198,7 @@ def main() -> None:
             f"host-bound, {name:13s} {s['output_tokens_per_s']:7.0f} tok/s "
             f"({s['output_tokens_per_s'] / rate:.0%} of offline)  "
             f"ITL p50 {s['itl_p50_s'] * 1e3:.1f} ms  p99 {s['itl_p99_s'] * 1e3:.1f} ms  "
-            f"errors {s['errors']}"
+            f"errors {s['errors']}  CPU s {s['cpu_s']}"
         )
     for name, s in report.get("single_stream", {}).items():
         print(
