@@ -98,7 +98,7 @@ def serve(
     else:
         cmd = [sys.executable, "-m", "server.cli", "serve", str(model), "--dtype", "bfloat16"]
         cmd += ["--served-model-name", "m", "--no-log-requests", "--max-num-seqs", "128", *host]
-        cmd += ["--engine-in-process"] if name == "in-process" else []
+        cmd += ["--engine-in-process"] if name.startswith("in-process") else []
         # The core's torch threads: all the CPUs (the default), or one, leaving the other
         # to the frontend (share or split the cores).
         cmd += ["--num-threads", "1"] if name.endswith("-1t") else []
@@ -169,33 +169,38 @@ def main() -> None:
     p.add_argument("--port", type=int, default=8123)
     p.add_argument("--pagedserve-args", default="", help="extra flags for both pagedserve runs")
     p.add_argument("--skip-single-stream", action="store_true")
+    p.add_argument("--rounds", type=int, default=2, help="of the host-bound workload")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/engine_process"))
     args = p.parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     model = make_model(args.out.parent / "host-bound-model")
     report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "host_bound": {}}
     host_bound = report["host_bound"]
-    host_bound["offline"] = offline(model, args)
-    names = ["in-process", "core-process", "core-process-1t", "in-process-1t"]
+    host_bound["offline #1"] = offline(model, args)
+    kinds = ["in-process", "core-process", "core-process-1t", "in-process-1t"]
+    # Rounds alternate the servers: a shared machine drifts between runs.
+    names = [f"{kind} #{round_}" for round_ in range(1, args.rounds + 1) for kind in kinds]
     names += ["vllm"] if args.vllm_python else []
     for name in names:
-        host_bound[name] = serve(name, model, HOST_BOUND, args, args.out)
+        host_bound[name] = serve(name.split(" ")[0], model, HOST_BOUND, args, args.out)
+    host_bound["offline #2"] = offline(model, args)  # the machine drifts: before and after
     if not args.skip_single_stream:
         from engine import prepare_default_model
 
         default = prepare_default_model()
         report["single_stream"] = {
             f"{name} #{round_}": serve(name, default, SINGLE, args, args.out)
-            for round_ in (1, 2)  # alternating, for drift
+            for round_ in range(1, args.rounds + 1)
             for name in ("in-process", "core-process")
         }
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2))
-    rate = host_bound["offline"]["output_tokens_per_s"]
-    print(f"host-bound, offline: {rate:.0f} tok/s")
+    rates = [host_bound[f"offline #{i}"]["output_tokens_per_s"] for i in (1, 2)]
+    rate = sum(rates) / 2
+    print(f"host-bound, offline: {rates[0]:.0f} and {rates[1]:.0f} tok/s (mean {rate:.0f})")
     for name in names:
         s = host_bound[name]
         print(
-            f"host-bound, {name:13s} {s['output_tokens_per_s']:7.0f} tok/s "
+            f"host-bound, {name:18s} {s['output_tokens_per_s']:5.0f} tok/s "
             f"({s['output_tokens_per_s'] / rate:.0%} of offline)  "
             f"ITL p50 {s['itl_p50_s'] * 1e3:.1f} ms  p99 {s['itl_p99_s'] * 1e3:.1f} ms  "
             f"errors {s['errors']}  CPU s {s['cpu_s']}"

@@ -81,6 +81,11 @@ class _ResetPrefixCache:
     done: asyncio.Future[bool]
 
 
+def _log_call_failure(call: asyncio.Future[Any]) -> None:
+    if not call.cancelled() and call.exception() is not None:
+        logger.debug("engine core call failed: %r", call.exception())
+
+
 def engine_thread() -> ThreadPoolExecutor:
     """The one thread that runs the engine's torch work: loading, warm-up and steps.
 
@@ -321,7 +326,10 @@ class AsyncLLM:
             if self._remote is not None and self._monitor.num_watchers == 1:
                 # The core process sends its state as views come due (see core_proc).
                 monitor = self._monitor
-                self._remote.call("watch", (monitor.min_interval, monitor.max_share))
+                try:
+                    await self._remote.call("watch", (monitor.min_interval, monitor.max_share))
+                except RuntimeError:  # the core has exited: nothing to watch
+                    return
             while self.is_alive:
                 view = await watcher.get(timeout=self._monitor.min_interval)
                 if view is not None:
@@ -332,7 +340,8 @@ class AsyncLLM:
         finally:
             self._monitor.unsubscribe(watcher)
             if self._remote is not None and self._remote.alive and not self._monitor.num_watchers:
-                self._remote.call("watch", None)
+                # Not awaited: this generator may be closing. Only an exited core fails it.
+                self._remote.call("watch", None).add_done_callback(_log_call_failure)
 
     def _post(self, message: _Add | _Abort | _ResetPrefixCache) -> None:
         self._inbox.put_nowait(message)
@@ -483,6 +492,10 @@ class AsyncLLM:
             messages = [await self._inbox.get()]
             while not self._inbox.empty():
                 messages.append(self._inbox.get_nowait())
+            if not self._processor:
+                # Work arrives at an idle core: a stall counts from now, not from the last
+                # step, which may be long ago.
+                self.last_progress = time.monotonic()
             adds: list[CoreRequest] = []
             aborts: list[str] = []
             for message in messages:
@@ -503,8 +516,6 @@ class AsyncLLM:
                 self._remote.send(ADD, ENCODER.encode(adds))
             if aborts:
                 self._remote.send(ABORT, ENCODER.encode(aborts))
-            if not self._collectors:
-                self.last_progress = time.monotonic()
 
     def _admit(self, message: _Add) -> list[CoreRequest]:
         """The engine requests of a caller's request that is still there, tracked by the

@@ -102,6 +102,10 @@ class OutputProcessor:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._prompts
 
+    def __len__(self) -> int:
+        """Callers' requests tracked (not finished, not aborted)."""
+        return len(self._prompts)
+
     def add_request(
         self,
         request_id: str,
