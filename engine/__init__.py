@@ -39,6 +39,8 @@ from engine.structured_output.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM, StatsListener
+    from engine.core_client import CoreStart, start_core
+    from engine.core_proc import CoreChannel
     from engine.llm import LLM
     from engine.worker.worker import check_cpu_kernels, describe_setup
 
@@ -49,6 +51,8 @@ __all__ = [
     "BlockCounts",
     "BlockState",
     "CompletionOutput",
+    "CoreChannel",
+    "CoreStart",
     "EngineArgs",
     "EngineClosedError",
     "EngineDeadError",
@@ -75,6 +79,7 @@ __all__ = [
     "check_cpu_kernels",
     "describe_setup",
     "prepare_default_model",
+    "start_core",
 ]
 
 
@@ -87,6 +92,14 @@ def __getattr__(name: str) -> Any:
         from engine import async_llm
 
         return getattr(async_llm, name)
+    if name in ("CoreStart", "start_core"):
+        from engine import core_client
+
+        return getattr(core_client, name)
+    if name == "CoreChannel":
+        from engine.core_proc import CoreChannel
+
+        return CoreChannel
     if name in ("check_cpu_kernels", "describe_setup"):
         from engine.worker import worker
 

@@ -44,6 +44,7 @@ from engine.core_proc import (
     STEP,
     STEP_DECODER,
     VIEW,
+    CoreChannel,
     CoreRequest,
 )
 from engine.errors import EngineClosedError, EngineDeadError, RequestValidationError
@@ -179,6 +180,18 @@ class AsyncLLM:
             executor.shutdown(wait=False)
             raise
         return cls(core, core.tokenizer, executor)
+
+    @classmethod
+    def attach(cls, channel: CoreChannel, pid: int) -> AsyncLLM:
+        """A frontend of the engine core process `pid` that a supervisor started for
+        several frontends (start_core); blocks until the core has loaded."""
+        process = CoreProcess.attach(channel, pid)
+        try:
+            tokenizer = load_tokenizer(process.config.model)
+        except BaseException:
+            process.close()
+            raise
+        return cls(process, tokenizer)
 
     # ---- lifecycle -----------------------------------------------------------------
 

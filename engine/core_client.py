@@ -1,8 +1,11 @@
 """The frontend's handle on an engine core process (engine.core_proc).
 
-`CoreProcess.launch` starts the process and blocks until it has loaded the model (run it in
-a thread from async code); `connect` then binds the sockets on the running event loop.
-Sends never block: the sockets have no high-water mark, and ZMQ keeps the order of frames.
+`CoreProcess.launch` starts the process for a lone frontend and blocks until it has loaded
+the model (run it in a thread from async code). With several frontends (API server
+processes), their supervisor starts the core with `start_core` and hands each frontend its
+CoreChannel, which `CoreProcess.attach` waits on. `connect` then binds the sockets on the
+running event loop. Sends never block: the sockets have no high-water mark, and ZMQ keeps
+the order of frames.
 """
 
 from __future__ import annotations
@@ -12,11 +15,13 @@ import itertools
 import logging
 import os
 import pickle
+import select
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +31,15 @@ import zmq.asyncio
 
 import engine
 from engine.config import EngineArgs, EngineConfig, EngineHooks
-from engine.core_proc import CALL, ENCODER, ENTRY_POINT, QUIT, CoreLaunch, CoreReady
+from engine.core_proc import (
+    CALL,
+    ENCODER,
+    ENTRY_POINT,
+    QUIT,
+    CoreChannel,
+    CoreLaunch,
+    CoreReady,
+)
 
 logger = logging.getLogger(__name__)
 # After QUIT, how long the core gets to close (its tensor-parallel workers among it)
@@ -34,19 +47,100 @@ logger = logging.getLogger(__name__)
 QUIT_TIMEOUT_S = 10.0
 
 
+@dataclass
+class CoreStart:
+    """A core process that is loading: its frontends' channels (with the read ends of
+    their load pipes) and the directory of its sockets, which the starter removes."""
+
+    proc: subprocess.Popen[bytes]
+    channels: list[CoreChannel]
+    directory: str
+
+
+def start_core(
+    args: EngineArgs,
+    hooks: EngineHooks | None,
+    logging_config: dict[str, Any] | None,
+    num_frontends: int = 1,
+) -> CoreStart:
+    """Starts the core process for `num_frontends` frontends; returns at once."""
+    directory = tempfile.mkdtemp(prefix="pagedserve-core-")
+    pipes = [os.pipe() for _ in range(num_frontends)]
+    addresses = [
+        (f"ipc://{directory}/input-{i}", f"ipc://{directory}/output-{i}")
+        for i in range(num_frontends)
+    ]
+    launch = CoreLaunch(
+        args,
+        hooks or EngineHooks(),
+        [CoreChannel(*pair, write) for pair, (_, write) in zip(addresses, pipes, strict=True)],
+        logging_config,
+    )
+    env = dict(os.environ)
+    # The same `engine` package as this process, wherever it was imported from.
+    root = str(Path(engine.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", ENTRY_POINT],
+            stdin=subprocess.PIPE,
+            pass_fds=[write for _, write in pipes],
+            env=env,
+        )
+    except BaseException:
+        for read, _ in pipes:
+            os.close(read)
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    finally:
+        for _, write in pipes:
+            os.close(write)
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(pickle.dumps(launch))
+        proc.stdin.close()
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    channels = [CoreChannel(*pair, read) for pair, (read, _) in zip(addresses, pipes, strict=True)]
+    return CoreStart(proc, channels, directory)
+
+
+def wait_loaded(channel: CoreChannel) -> CoreReady | BaseException | None:
+    """Blocks until the core reports its load on the channel's pipe (closing it): the
+    CoreReady, the exception that stopped the load, or None when the core died silently."""
+    with os.fdopen(channel.ready_fd, "rb") as ready:
+        report = ready.read()
+    result = pickle.loads(report) if report else None
+    assert result is None or isinstance(result, CoreReady | BaseException)
+    return result
+
+
 class CoreProcess:
-    def __init__(self, proc: subprocess.Popen[bytes], config: EngineConfig, directory: str):
-        self.proc = proc
+    def __init__(
+        self,
+        config: EngineConfig,
+        channel: CoreChannel,
+        pid: int,
+        proc: subprocess.Popen[bytes] | None = None,
+        directory: str | None = None,
+    ):
+        """`proc` and `directory` when this frontend started the core (and stops it);
+        without them, a supervisor owns both and this frontend only leaves."""
         self.config = config
+        self.pid = pid
+        self.proc = proc
         self._directory = directory
-        self._input_address = f"ipc://{directory}/input"
-        self._output_address = f"ipc://{directory}/output"
+        self._input_address = channel.input_address
+        self._output_address = channel.output_address
         self._context: zmq.asyncio.Context | None = None
         self._input: zmq.asyncio.Socket | None = None
         self._output: zmq.asyncio.Socket | None = None
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._call_ids = itertools.count()
         self._stopping = False
+        self._exited_event = threading.Event()
         # Why the core can never step again though this process lives: a message from the
         # core (a dead tensor-parallel rank), or its unexpected exit.
         self.failure: str | None = None
@@ -59,58 +153,39 @@ class CoreProcess:
         hooks: EngineHooks | None = None,
         logging_config: dict[str, Any] | None = None,
     ) -> CoreProcess:
-        """Starts the core and waits for its model to load. Re-raises the exception that
-        stopped the load (a ValueError for a setting that cannot work, FileNotFoundError
-        for a missing model), or RuntimeError when the process died without one."""
-        directory = tempfile.mkdtemp(prefix="pagedserve-core-")
-        read_end, write_end = os.pipe()
-        launch = CoreLaunch(
-            args,
-            hooks or EngineHooks(),
-            f"ipc://{directory}/input",
-            f"ipc://{directory}/output",
-            write_end,
-            logging_config,
-        )
-        env = dict(os.environ)
-        # The same `engine` package as this process, wherever it was imported from.
-        root = str(Path(engine.__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+        """Starts a core for this frontend alone and waits for its model to load.
+        Re-raises the exception that stopped the load (a ValueError for a setting that
+        cannot work, FileNotFoundError for a missing model), or RuntimeError when the
+        process died without one."""
+        start = start_core(args, hooks, logging_config)
         try:
-            proc = subprocess.Popen(
-                [sys.executable, "-c", ENTRY_POINT],
-                stdin=subprocess.PIPE,
-                pass_fds=(write_end,),
-                env=env,
-            )
+            result = wait_loaded(start.channels[0])
         except BaseException:
-            os.close(read_end)
-            shutil.rmtree(directory, ignore_errors=True)
+            start.proc.kill()
+            start.proc.wait()
+            shutil.rmtree(start.directory, ignore_errors=True)
             raise
-        finally:
-            os.close(write_end)
-        assert proc.stdin is not None
-        try:
-            proc.stdin.write(pickle.dumps(launch))
-            proc.stdin.close()
-            with os.fdopen(read_end, "rb") as ready:
-                report = ready.read()  # until the core has loaded, or died
-        except BaseException:
-            proc.kill()
-            proc.wait()
-            shutil.rmtree(directory, ignore_errors=True)
-            raise
-        result = pickle.loads(report) if report else None
         if not isinstance(result, CoreReady):
-            proc.wait()
-            shutil.rmtree(directory, ignore_errors=True)
+            start.proc.wait()
+            shutil.rmtree(start.directory, ignore_errors=True)
             if isinstance(result, BaseException):
                 raise result
             raise RuntimeError(
-                f"the engine core process exited with code {proc.returncode} while loading"
+                f"the engine core process exited with code {start.proc.returncode} while loading"
             )
-        logger.info("engine core: process %d", proc.pid)
-        return cls(proc, result.config, directory)
+        logger.info("engine core: process %d", start.proc.pid)
+        return cls(result.config, start.channels[0], start.proc.pid, start.proc, start.directory)
+
+    @classmethod
+    def attach(cls, channel: CoreChannel, pid: int) -> CoreProcess:
+        """Waits for the core a supervisor started (process `pid`) to load, as one of its
+        frontends. Raises as launch does."""
+        result = wait_loaded(channel)
+        if isinstance(result, BaseException):
+            raise result
+        if result is None:
+            raise RuntimeError("the engine core process exited while loading")
+        return cls(result.config, channel, pid)
 
     # ---- on the event loop -----------------------------------------------------------
 
@@ -126,16 +201,36 @@ class CoreProcess:
         self._output.bind(self._output_address)
 
         def watch() -> None:
-            code = self.proc.wait()
+            code = self._wait_exit()
+            self._exited_event.set()
             if not loop.is_closed():  # else nobody is left to tell
                 loop.call_soon_threadsafe(self._exited, code)
 
         threading.Thread(target=watch, name="engine-core-watch", daemon=True).start()
 
-    def _exited(self, code: int) -> None:
-        self.exit_code = code
+    def _wait_exit(self) -> int | None:
+        """Blocks until the core exits: its exit code, or None when it is not our child
+        (a pidfd turns readable when any process exits)."""
+        if self.proc is not None:
+            return self.proc.wait()
+        try:
+            pidfd = os.pidfd_open(self.pid)
+        except ProcessLookupError:
+            return None
+        try:
+            select.select([pidfd], [], [])
+        finally:
+            os.close(pidfd)
+        return None
+
+    def _exited(self, code: int | None) -> None:
+        self.exit_code = -1 if code is None else code
         if not self._stopping and self.failure is None:
-            self.failure = f"the engine core process exited with code {code}"
+            self.failure = (
+                "the engine core process exited"
+                if code is None
+                else f"the engine core process exited with code {code}"
+            )
             logger.error("%s", self.failure)
         for future in self._calls.values():
             if not future.done():
@@ -144,7 +239,7 @@ class CoreProcess:
 
     @property
     def alive(self) -> bool:
-        return self.exit_code is None
+        return self.exit_code is None and not self._exited_event.is_set()
 
     def send(self, kind: bytes, *frames: bytes) -> None:
         assert self._input is not None
@@ -177,29 +272,33 @@ class CoreProcess:
             future.set_exception(result)
 
     async def shutdown(self) -> None:
-        """QUIT, then the process's exit (killed after QUIT_TIMEOUT_S), then the sockets."""
+        """QUIT; then, for a core this frontend started, its exit (killed after
+        QUIT_TIMEOUT_S); then the sockets."""
         self._stopping = True
         if self.alive and self._input is not None:
             self.send(QUIT)
-        try:
-            await asyncio.wait_for(asyncio.to_thread(self.proc.wait), QUIT_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            logger.warning("engine core: no exit %.0fs after QUIT; killing it", QUIT_TIMEOUT_S)
-            self.proc.kill()
-            await asyncio.to_thread(self.proc.wait)
+        if self.proc is not None:
+            try:
+                await asyncio.wait_for(asyncio.to_thread(self.proc.wait), QUIT_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                logger.warning("engine core: no exit %.0fs after QUIT; killing it", QUIT_TIMEOUT_S)
+                self.proc.kill()
+                await asyncio.to_thread(self.proc.wait)
         self.close()
 
     def close(self) -> None:
-        """Kills the process if it still runs; closes the sockets. Idempotent."""
+        """Kills a core this frontend started if it still runs; closes the sockets.
+        Idempotent."""
         self._stopping = True
-        if self.proc.poll() is None:
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
         for socket in (self._input, self._output):
             if socket is not None:
-                socket.close(linger=0)
+                socket.close(linger=0 if self.proc is not None else 1000)
         self._input = self._output = None
         if self._context is not None:
             self._context.term()
             self._context = None
-        shutil.rmtree(self._directory, ignore_errors=True)
+        if self._directory is not None:
+            shutil.rmtree(self._directory, ignore_errors=True)

@@ -5,7 +5,9 @@ frontend (AsyncLLM) keeps tokenization, detokenization, stop strings and the `n`
 The process steps back to back while it has work and sleeps on its input socket while it
 has none, so the frontend's host work runs beside the model instead of between its steps.
 
-Wire (ZMQ, two ipc sockets, the frontend binds both):
+Wire (ZMQ, two ipc sockets per frontend, which binds both; with --api-server-count N
+there are N frontends, each on its own pair, and the core routes each request's outputs,
+refusals and call replies to the frontend that sent it):
 
     frontend PUSH -> core PULL   [ADD, msgpack list[CoreRequest]]  [ABORT, msgpack list[str]]
                                  [CALL, msgpack (call id, method), pickled args]  [QUIT]
@@ -22,9 +24,13 @@ and after min_interval of idleness.
 Before the sockets, the process reports its load on a pipe: the EngineConfig, or the
 exception that stopped it, as a pickle.
 
+With several frontends, frontend 0 gets every step's result (it publishes the engine's
+gauges and counters, once); the others get a step's result when it holds outputs of theirs.
+
 The process outlives no one: it exits when its parent does (it polls getppid, which is
-exact for a reparented child), ignores the terminal's SIGINT and SIGTERM (the frontend
-drains first, then sends QUIT), and exits 1 after reporting a step that raised.
+exact for a reparented child), ignores the terminal's SIGINT and SIGTERM (the frontends
+drain first, then each sends QUIT; the core exits after the last), and exits 1 after
+reporting a step that raised.
 """
 
 from __future__ import annotations
@@ -106,14 +112,22 @@ STEP_DECODER = msgspec.msgpack.Decoder(StepResult)
 
 
 @dataclass(frozen=True)
+class CoreChannel:
+    """One frontend's link to the core: its two sockets, and a pipe the core reports its
+    load on (the core holds the write end, the frontend the read end)."""
+
+    input_address: str
+    output_address: str
+    ready_fd: int
+
+
+@dataclass(frozen=True)
 class CoreLaunch:
     """Everything the process needs, pickled onto its stdin."""
 
     args: EngineArgs
     hooks: EngineHooks
-    input_address: str
-    output_address: str
-    ready_fd: int  # the pipe the load result goes to
+    channels: list[CoreChannel]  # one per frontend
     logging_config: dict[str, Any] | None
 
 
@@ -124,142 +138,185 @@ class CoreReady:
 
 class EngineCoreProc:
     """The loop of the core process. Not thread-safe: everything runs on its main thread,
-    which is also the one that loaded the model (one OpenMP pool; see engine_thread)."""
+    which is also the one that loaded the model (one OpenMP pool; see engine_thread).
+    `inputs[i]` and `outputs[i]` are frontend i's sockets."""
 
-    def __init__(self, core: Any, input_socket: Any, output_socket: Any, parent: int) -> None:
+    def __init__(self, core: Any, inputs: list[Any], outputs: list[Any], parent: int) -> None:
         self.core = core
-        self.input = input_socket
-        self.output = output_socket
+        self.inputs = inputs
+        self.outputs = outputs
         self.parent = parent
+        self._client_of = {socket: i for i, socket in enumerate(inputs)}
         self._poller = zmq.Poller()
-        self._poller.register(input_socket, zmq.POLLIN)
-        self._calls: list[tuple[int, Future[Any]]] = []  # calls that finish on other threads
+        for socket in inputs:
+            self._poller.register(socket, zmq.POLLIN)
+        # The frontend of each unfinished request; None with one frontend.
+        self._owner: dict[str, int] | None = {} if len(outputs) > 1 else None
+        # Calls that finish on other threads: (frontend, call id, future).
+        self._calls: list[tuple[int, int, Future[Any]]] = []
         self._idle_stats_due = False  # an abort may have left the core idle: say so once
         self._fatal_sent = False
-        self._quit = False
-        # The live view: (min_interval, max_share) while the frontend has watchers.
-        self._watch: tuple[float, float] | None = None
+        self._quitted: set[int] = set()
+        # The live view: (min_interval, max_share) of each frontend that has watchers.
+        self._watch: dict[int, tuple[float, float]] = {}
         self._view_due = 0.0  # monotonic time the next view is due
         self._idle_since = time.monotonic()
 
     def run(self) -> None:
-        while not self._quit:
+        while len(self._quitted) < len(self.outputs):
             if os.getppid() != self.parent:
                 logger.warning("engine core: the frontend has gone; exiting")
                 return
             busy = self.core.has_unfinished_requests()
-            if self._poller.poll(0 if busy else self._idle_timeout_ms()):
-                self._drain()
+            for socket, _ in self._poller.poll(0 if busy else self._idle_timeout_ms()):
+                self._drain(socket)
             if self._calls:
                 self._finish_calls()
             if self.core.has_unfinished_requests():
-                self._send(STEP, ENCODER.encode(self.core.step()))
+                self._publish(self.core.step())
                 self._idle_stats_due = True
-                if self._watch is not None and time.monotonic() >= self._view_due:
+                if self._watch and time.monotonic() >= self._view_due:
                     self._send_view()
                 self._idle_since = time.monotonic()
             else:
                 if self._idle_stats_due:
-                    self._send(STEP, ENCODER.encode(StepResult([], self.core.stats())))
+                    idle = ENCODER.encode(StepResult([], self.core.stats()))
+                    for client in range(len(self.outputs)):
+                        self._send(client, STEP, idle)
                     self._idle_stats_due = False
-                if self._watch is not None and time.monotonic() >= self._idle_view_due():
+                if self._watch and time.monotonic() >= self._idle_view_due():
                     self._send_view()
             failure = self.core.failure()
             if failure is not None and not self._fatal_sent:
-                self._send(FATAL, ENCODER.encode(failure))
+                for client in range(len(self.outputs)):
+                    self._send(client, FATAL, ENCODER.encode(failure))
                 self._fatal_sent = True
+
+    def _publish(self, result: StepResult) -> None:
+        """Sends a step's result: whole to a lone frontend; else each frontend its own
+        outputs, and frontend 0 every step (the engine's stats are counted once, there)."""
+        if self._owner is None:
+            self._send(0, STEP, ENCODER.encode(result))
+            return
+        shares: list[list[Any]] = [[] for _ in self.outputs]
+        for output in result.outputs:
+            client = self._owner.get(output.request_id)
+            if output.finished:
+                self._owner.pop(output.request_id, None)
+            if client is not None:
+                shares[client].append(output)
+        for client, share in enumerate(shares):
+            if share or client == 0:
+                self._send(client, STEP, ENCODER.encode(StepResult(share, result.stats)))
 
     def _idle_timeout_ms(self) -> int:
         if self._calls:
             return PENDING_POLL_MS
         idle = IDLE_POLL_MS if self.core.tp_group is None else WORKERS_POLL_MS
-        if self._watch is None:
+        if not self._watch:
             return idle
         wait = self._idle_view_due() - time.monotonic()
         return max(0, min(idle, int(wait * 1000) + 1))
 
     def _idle_view_due(self) -> float:
-        assert self._watch is not None
-        return max(self._view_due, self._idle_since + self._watch[0])
+        min_interval = min(interval for interval, _ in self._watch.values())
+        return max(self._view_due, self._idle_since + min_interval)
 
     def _send_view(self) -> None:
-        assert self._watch is not None
-        min_interval, max_share = self._watch
+        min_interval = min(interval for interval, _ in self._watch.values())
+        max_share = min(share for _, share in self._watch.values())
         start = time.perf_counter()
         state = self.core.state()
         cost = time.perf_counter() - start
-        self.output.send_multipart([VIEW, pickle.dumps((state, cost))])
+        view = pickle.dumps((state, cost))
+        for client in self._watch:
+            self.outputs[client].send_multipart([VIEW, view])
         self._view_due = time.monotonic() + max(min_interval, cost / max_share)
         self._idle_since = time.monotonic()
 
-    def _drain(self) -> None:
-        while not self._quit:
+    def _drain(self, socket: Any) -> None:
+        client = self._client_of[socket]
+        while True:
             try:
-                frames = self.input.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            self._apply(frames[0].bytes, [frame.buffer for frame in frames[1:]])
+            self._apply(client, frames[0].bytes, [frame.buffer for frame in frames[1:]])
+            if client in self._quitted:
+                return
 
-    def _apply(self, kind: bytes, body: list[Any]) -> None:
+    def _apply(self, client: int, kind: bytes, body: list[Any]) -> None:
         if kind == ADD:
             for wire in ADD_DECODER.decode(body[0]):
                 try:
                     self.core.add_request(wire.to_request())
                 except ValueError as exc:  # RequestValidationError among them
-                    self.output.send_multipart(
-                        [REJECT, ENCODER.encode(wire.request_id), pickle.dumps(_picklable(exc))]
+                    error = pickle.dumps(_picklable(exc))
+                    self.outputs[client].send_multipart(
+                        [REJECT, ENCODER.encode(wire.request_id), error]
                     )
+                    continue
+                if self._owner is not None:
+                    self._owner[wire.request_id] = client
         elif kind == ABORT:
-            self.core.abort_requests(ABORT_DECODER.decode(body[0]))
+            request_ids = ABORT_DECODER.decode(body[0])
+            self.core.abort_requests(request_ids)
+            if self._owner is not None:
+                for request_id in request_ids:
+                    self._owner.pop(request_id, None)
             self._idle_stats_due = True
         elif kind == CALL:
             call_id, method = msgspec.msgpack.decode(body[0])
-            self._call(call_id, method, pickle.loads(body[1]))
+            self._call(client, call_id, method, pickle.loads(body[1]))
         elif kind == QUIT:
-            self._quit = True
+            self._quitted.add(client)
+            self._watch.pop(client, None)
         else:
             raise ValueError(f"unknown frame kind {kind!r}")
 
-    def _call(self, call_id: int, method: str, args: tuple[Any, ...]) -> None:
+    def _call(self, client: int, call_id: int, method: str, args: tuple[Any, ...]) -> None:
         try:
             if method == "reset_prefix_cache":
-                self._reply(call_id, True, self.core.reset_prefix_cache())
+                self._reply(client, call_id, True, self.core.reset_prefix_cache())
             elif method == "core_state":
-                self._reply(call_id, True, self.core.state())
+                self._reply(client, call_id, True, self.core.state())
             elif method == "watch":  # (min_interval, max_share), or None to stop
-                self._watch = args[0]
-                self._view_due = 0.0
-                self._reply(call_id, True, None)
+                if args[0] is None:
+                    self._watch.pop(client, None)
+                else:
+                    self._watch[client] = args[0]
+                    self._view_due = 0.0
+                self._reply(client, call_id, True, None)
             elif method == "check_constraint":
                 if self.core.grammars is None:
                     raise RequestValidationError(
                         "this engine has no grammar engine", "structured_outputs"
                     )
-                self._calls.append((call_id, self.core.grammars.compile(*args)))
+                self._calls.append((client, call_id, self.core.grammars.compile(*args)))
             else:
                 raise ValueError(f"unknown call {method!r}")
         except Exception as exc:
-            self._reply(call_id, False, exc)
+            self._reply(client, call_id, False, exc)
 
     def _finish_calls(self) -> None:
         pending = []
-        for call_id, future in self._calls:
+        for client, call_id, future in self._calls:
             if not future.done():
-                pending.append((call_id, future))
+                pending.append((client, call_id, future))
                 continue
             exc = future.exception()
-            self._reply(call_id, exc is None, exc)
+            self._reply(client, call_id, exc is None, exc)
         self._calls = pending
 
-    def _reply(self, call_id: int, ok: bool, result: Any) -> None:
+    def _reply(self, client: int, call_id: int, ok: bool, result: Any) -> None:
         try:
             payload = pickle.dumps(result)
         except Exception as exc:  # an exception that does not pickle: send its words
             ok, payload = False, pickle.dumps(RuntimeError(f"{result!r} ({exc})"))
-        self.output.send_multipart([REPLY, ENCODER.encode((call_id, ok)), payload])
+        self.outputs[client].send_multipart([REPLY, ENCODER.encode((call_id, ok)), payload])
 
-    def _send(self, kind: bytes, payload: bytes) -> None:
-        self.output.send_multipart([kind, payload], copy=False)
+    def _send(self, client: int, kind: bytes, payload: bytes) -> None:
+        self.outputs[client].send_multipart([kind, payload], copy=False)
 
 
 def main() -> int:
@@ -281,34 +338,50 @@ def main() -> int:
         target=_exit_with_parent, args=(parent, loaded), name="parent-watch", daemon=True
     ).start()
     context = zmq.Context()
-    with os.fdopen(launch.ready_fd, "wb") as ready:
-        try:
-            core = EngineCore.from_args(launch.args, launch.hooks)
-            loaded.set()
-        except BaseException as exc:
-            logger.exception("engine core: loading failed")
-            pickle.dump(_picklable(exc), ready)
-            return 1
-        pickle.dump(CoreReady(core.config), ready)
-    input_socket = context.socket(zmq.PULL)
-    input_socket.connect(launch.input_address)
-    output_socket = context.socket(zmq.PUSH)
-    output_socket.setsockopt(zmq.LINGER, 2000)
-    output_socket.connect(launch.output_address)
-    proc = EngineCoreProc(core, input_socket, output_socket, parent)
+    try:
+        core = EngineCore.from_args(launch.args, launch.hooks)
+        loaded.set()
+    except BaseException as exc:
+        logger.exception("engine core: loading failed")
+        _report(launch.channels, _picklable(exc))
+        return 1
+    _report(launch.channels, CoreReady(core.config))
+    inputs, outputs = [], []
+    for channel in launch.channels:
+        inputs.append(context.socket(zmq.PULL))
+        inputs[-1].connect(channel.input_address)
+        outputs.append(context.socket(zmq.PUSH))
+        outputs[-1].setsockopt(zmq.LINGER, 2000)
+        outputs[-1].connect(channel.output_address)
+    proc = EngineCoreProc(core, inputs, outputs, parent)
     code = 0
     try:
         proc.run()
     except Exception as exc:
         logger.exception("engine core: a step failed")
-        output_socket.send_multipart([FAILED, ENCODER.encode(f"the engine failed: {exc!r}")])
+        failed = ENCODER.encode(f"the engine failed: {exc!r}")
+        for socket in outputs:
+            socket.send_multipart([FAILED, failed])
         code = 1
     finally:
         core.close()
-        input_socket.close(linger=0)
-        output_socket.close()
+        for socket in inputs:
+            socket.close(linger=0)
+        for socket in outputs:
+            socket.close()
         context.term()
     return code
+
+
+def _report(channels: list[CoreChannel], result: CoreReady | BaseException) -> None:
+    """The load's outcome, to every frontend's pipe (one that has gone is skipped)."""
+    payload = pickle.dumps(result)
+    for channel in channels:
+        try:
+            with os.fdopen(channel.ready_fd, "wb") as ready:
+                ready.write(payload)
+        except BrokenPipeError:
+            logger.warning("engine core: a frontend left before the model loaded")
 
 
 def _exit_with_parent(parent: int, loaded: threading.Event) -> None:

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -93,15 +93,24 @@ def in_daemon_thread(fn: Callable[[], T]) -> asyncio.Future[T]:
     return future
 
 
-def create_app(engine: AsyncLLM | Callable[[], AsyncLLM], settings: ServerSettings) -> FastAPI:
+def create_app(
+    engine: AsyncLLM | Callable[[], AsyncLLM],
+    settings: ServerSettings,
+    frontend_index: int | None = None,
+) -> FastAPI:
     """Builds the gateway over an engine that is not started yet, or over a loader run in a
-    thread at startup (the server answers probes, with /ready at 503, while it loads)."""
+    thread at startup (the server answers probes, with /ready at 503, while it loads).
+    `frontend_index`: which of several frontends (API server processes) this one is; only
+    frontend 0 publishes the engine's own metrics."""
     state = AppState(settings)
 
     def attach(loaded: AsyncLLM) -> None:
         model_name = settings.served_model_name or loaded.config.model.name
         metrics = ServerMetrics(
-            model_name, log_requests=settings.log_requests, tenant_metrics=settings.tenant_metrics
+            model_name,
+            log_requests=settings.log_requests,
+            tenant_metrics=settings.tenant_metrics,
+            engine_stats=frontend_index in (None, 0),
         )
         cache, scheduler = loaded.config.cache, loaded.config.scheduler
         metrics.set_cache_config(cache.block_size, cache.num_blocks, cache.enable_prefix_caching)
@@ -315,6 +324,4 @@ def _add_routes(app: FastAPI, state: AppState) -> None:
     async def metrics() -> Response:
         if state.serving is None:
             return PlainTextResponse("", media_type=CONTENT_TYPE_LATEST)
-        return Response(
-            generate_latest(state.serving.metrics.registry), media_type=CONTENT_TYPE_LATEST
-        )
+        return Response(state.serving.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

@@ -156,6 +156,11 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> NoRetur
     except ValidationError as exc:
         error = exc.errors()[0]
         parser.error(f"--{str(error['loc'][0]).replace('_', '-')}: {error['msg']}")
+    if settings.api_server_count > 1 and engine_args.engine_in_process:
+        parser.error(
+            "--api-server-count: several frontends share one engine core process; "
+            "drop --engine-in-process"
+        )
     try:
         check_cpu_kernels(engine_args)
     except ValueError as exc:

@@ -6,9 +6,10 @@ Every series carries `model_name`. The registry belongs to the app: no global st
 from __future__ import annotations
 
 import logging
+import os
 
 import prometheus_client
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
 
 from engine import FinishedRequestStats, IterationStats, SchedulerStats
 
@@ -35,10 +36,14 @@ class ServerMetrics:
         registry: CollectorRegistry | None = None,
         log_requests: bool = True,
         tenant_metrics: bool = False,
+        engine_stats: bool = True,
     ) -> None:
+        """`engine_stats`: this process publishes the engine's gauges and counters (with
+        several frontends, only frontend 0 does, so that they count once)."""
         # vLLM exposes no `_created` series; neither do we (a prometheus_client switch).
         prometheus_client.disable_created_metrics()
         self.registry = registry or CollectorRegistry()
+        self.engine_stats = engine_stats
         self.model_name = model_name
         self.log_requests = log_requests
         gauge, counter, hist = self._gauge, self._counter, self._histogram
@@ -52,6 +57,7 @@ class ServerMetrics:
             "KV cache configuration (value is always 1).",
             ["model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching"],
             registry=self.registry,
+            multiprocess_mode="livemax",
         )
         self.prefix_queries = counter(
             "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
@@ -111,7 +117,11 @@ class ServerMetrics:
         )
 
     def _gauge(self, name: str, doc: str) -> Gauge:
-        metric = Gauge(name, doc, ["model_name"], registry=self.registry)
+        # With several frontends (multiprocess mode) only frontend 0 sets the engine's
+        # gauges; the others hold 0, and every value is at least 0: the maximum is its.
+        metric = Gauge(
+            name, doc, ["model_name"], registry=self.registry, multiprocess_mode="livemax"
+        )
         metric.labels(self.model_name)
         return metric
 
@@ -135,16 +145,17 @@ class ServerMetrics:
         """The engine's stats listener: runs on the event loop after every step."""
         running, waiting, kv_usage, queries, hits, preemptions, *rest = self._step_series
         iteration_tokens, generation_tokens, ttft, itl, queue_time = rest
-        running.set(stats.num_running)
-        waiting.set(stats.num_waiting)
-        kv_usage.set(stats.kv_cache_usage)
-        if stats.prefix_cache_queries:
-            queries.inc(stats.prefix_cache_queries)
-            hits.inc(stats.prefix_cache_hits)
-        if stats.num_preemptions:
-            preemptions.inc(stats.num_preemptions)
-        if stats.num_scheduled_tokens:
-            iteration_tokens.observe(stats.num_scheduled_tokens)
+        if self.engine_stats:
+            running.set(stats.num_running)
+            waiting.set(stats.num_waiting)
+            kv_usage.set(stats.kv_cache_usage)
+            if stats.prefix_cache_queries:
+                queries.inc(stats.prefix_cache_queries)
+                hits.inc(stats.prefix_cache_hits)
+            if stats.num_preemptions:
+                preemptions.inc(stats.num_preemptions)
+            if stats.num_scheduled_tokens:
+                iteration_tokens.observe(stats.num_scheduled_tokens)
         if iteration.num_generation_tokens:
             generation_tokens.inc(iteration.num_generation_tokens)
         for value in iteration.time_to_first_tokens:
@@ -169,6 +180,15 @@ class ServerMetrics:
             self.tenants.record(finished)
         if self.log_requests:
             log_request(finished)
+
+    def exposition(self) -> bytes:
+        """The text format of every series: this process's, or, in prometheus-client's
+        multiprocess mode (several frontends), every live frontend's, summed."""
+        if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+            return prometheus_client.generate_latest(self.registry)
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return prometheus_client.generate_latest(registry)
 
     def count_error(self, status: int) -> None:
         self.errors.labels(self.model_name, str(status)).inc()

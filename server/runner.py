@@ -12,10 +12,12 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
+from typing import Any
 
 import uvicorn
 
@@ -124,14 +126,22 @@ class DrainingServer(uvicorn.Server):
             await asyncio.sleep(0.05)
 
 
-def run_server(settings: ServerSettings, engine_args: EngineArgs) -> int:
-    log_config = configure_logging(settings.log_level, settings.log_format)
+def test_hooks() -> EngineHooks:
     fail_after = os.environ.get(FAIL_AFTER_STEPS_ENV)
-    hooks = EngineHooks(
+    return EngineHooks(
         check_invariants=os.environ.get(CHECK_INVARIANTS_ENV) == "1",
         fail_after_steps=int(fail_after) if fail_after else None,
         step_delay=float(os.environ.get(STEP_DELAY_ENV) or 0),
     )
+
+
+def run_server(settings: ServerSettings, engine_args: EngineArgs) -> int:
+    log_config = configure_logging(settings.log_level, settings.log_format)
+    hooks = test_hooks()
+    if settings.api_server_count > 1:
+        from server.api_servers import run_api_servers
+
+        return run_api_servers(settings, engine_args, hooks)
     load_delay = float(os.environ.get(LOAD_DELAY_ENV) or 0)
 
     def load() -> AsyncLLM:
@@ -141,8 +151,20 @@ def run_server(settings: ServerSettings, engine_args: EngineArgs) -> int:
             engine_args, hooks, process_logging_config(settings.log_level, settings.log_format)
         )
 
+    return serve_app(load, settings, log_config)
+
+
+def serve_app(
+    load: Callable[[], AsyncLLM],
+    settings: ServerSettings,
+    log_config: dict[str, Any],
+    sockets: list[socket.socket] | None = None,
+    frontend_index: int | None = None,
+) -> int:
+    """Serves the gateway over the engine `load` returns (on the given listening sockets, or
+    on --host/--port) until a signal or a failure; returns the exit code."""
     try:
-        app = create_app(load, settings)
+        app = create_app(load, settings, frontend_index)
     except (OSError, ValueError) as exc:  # a bad --api-keys-file
         logger.error("cannot start: %s", exc)
         return 2
@@ -155,5 +177,5 @@ def run_server(settings: ServerSettings, engine_args: EngineArgs) -> int:
         lifespan="on",
     )
     server = DrainingServer(config, app.state.gateway)
-    server.run()
+    server.run(sockets=sockets)
     return server.exit_code

@@ -85,6 +85,13 @@ class ServerSettings(BaseModel):
     disable_dashboard: bool = Field(
         default=False, description="turn off the live engine view, /dashboard and its events"
     )
+    api_server_count: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="HTTP frontend processes sharing the port (SO_REUSEPORT) over one engine "
+        "core process; /metrics sums them (needs the engine core in its own process)",
+    )
 
     @field_validator("chat_template")
     @classmethod
