@@ -23,6 +23,8 @@ from tests.server.test_engine_process import alive, core_pid, wait_gone
 from tests.server.test_lifecycle import stream_completion
 from tests.server.test_tensor_parallel import descendants
 
+pytestmark = pytest.mark.slow  # four server starts, a minute in all
+
 ARGS = ["--dtype", "float32", "--num-kv-blocks", "256", "--max-model-len", "256"]
 TWO = ["--api-server-count", "2", "--served-model-name", "tiny"]
 
