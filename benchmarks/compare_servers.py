@@ -95,7 +95,8 @@ def check_port_free(url: str) -> None:
 @contextmanager
 def server(
     cmd: list[str], env: dict[str, str], url: str, log: Path, timeout: float
-) -> Iterator[None]:
+) -> Iterator[subprocess.Popen[bytes]]:
+    """The server `cmd` starts, once it answers; terminated on exit."""
     check_port_free(url)
     with open(log, "wb") as out:
         proc = subprocess.Popen(
@@ -103,7 +104,7 @@ def server(
         )
         try:
             wait_ready(url, proc, timeout)
-            yield
+            yield proc
         finally:
             proc.terminate()
             try:

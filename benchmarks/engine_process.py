@@ -107,32 +107,20 @@ def serve(
         cmd += args.pagedserve_args.split()
         env = {}
     log = out.parent / f"{out.name}-{name}.log"
-    compare_servers.check_port_free(url)
-    with open(log, "wb") as sink:
-        proc = subprocess.Popen(
-            cmd, env={**os.environ, **env}, stdout=sink, stderr=subprocess.STDOUT
-        )
-        try:
-            compare_servers.wait_ready(url, proc, timeout=600)
-            warm = f"--base-url {url} --model m --num-requests 8 --concurrency 8 --input-len 40 "
-            serve_bench.run(serve_bench.parse_args((warm + "--output-len 16").split()))
-            pids = [proc.pid, *descendants(proc.pid)]
-            before, client = {pid: cpu_seconds(pid) for pid in pids}, time.process_time()
-            bench = f"--base-url {url} --model m --label {name} " + workload
-            summary = dict(serve_bench.run(serve_bench.parse_args(bench.split()))["summary"])
-            # Where the CPU time went: the server's processes (the frontend first) and this
-            # load generator, all on the same CPUs.
-            summary["cpu_s"] = {
-                "server processes": [round(cpu_seconds(pid) - before[pid], 2) for pid in pids],
-                "load generator": round(time.process_time() - client, 2),
-            }
-            return summary
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    with compare_servers.server(cmd, env, url, log, timeout=600) as proc:
+        warm = f"--base-url {url} --model m --num-requests 8 --concurrency 8 --input-len 40 "
+        serve_bench.run(serve_bench.parse_args((warm + "--output-len 16").split()))
+        pids = [proc.pid, *descendants(proc.pid)]
+        before, client = {pid: cpu_seconds(pid) for pid in pids}, time.process_time()
+        bench = f"--base-url {url} --model m --label {name} " + workload
+        summary = dict(serve_bench.run(serve_bench.parse_args(bench.split()))["summary"])
+        # Where the CPU time went: the server's processes (the first one started the
+        # rest) and this load generator, all on the same CPUs.
+        summary["cpu_s"] = {
+            "server processes": [round(cpu_seconds(pid) - before[pid], 2) for pid in pids],
+            "load generator": round(time.process_time() - client, 2),
+        }
+        return summary
 
 
 def descendants(pid: int) -> list[int]:

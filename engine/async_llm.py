@@ -51,6 +51,7 @@ from engine.errors import EngineClosedError, EngineDeadError, RequestValidationE
 from engine.introspection import EngineMonitor, EngineView
 from engine.output_processor import OutputProcessor
 from engine.outputs import IterationStats
+from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler.output import SchedulerStats, StepResult
 from engine.streams import OutputCollector, RequestStream
@@ -533,10 +534,18 @@ class AsyncLLM:
     def _admit(self, message: _Add) -> list[CoreRequest]:
         """The engine requests of a caller's request that is still there, tracked by the
         output processor from now on."""
+        requests = self._track(message)
+        if requests:
+            self._count(self._waiting_load, message, +1)
+        return [CoreRequest.of(request) for request in requests]
+
+    def _track(self, message: _Add) -> list[Request]:
+        """Takes an add out of the inbox's count; returns its engine requests (one per
+        choice), now tracked by the output processor, or none if the caller has left."""
         self._count(self._inbox_load, message, -1)
         if message.request_id not in self._collectors:
-            return []  # the caller left before the inbox was sent
-        requests = self._processor.add_request(
+            return []  # the caller left before the add was applied
+        return self._processor.add_request(
             message.request_id,
             message.prompt_token_ids,
             message.params,
@@ -545,8 +554,6 @@ class AsyncLLM:
             message.labels,
             message.arrival_time,
         )
-        self._count(self._waiting_load, message, +1)
-        return [CoreRequest.of(request) for request in requests]
 
     def _abort_choices(self, request_id: str) -> list[str]:
         engine_ids, stats = self._processor.abort_request(request_id)
@@ -588,25 +595,15 @@ class AsyncLLM:
             if not message.done.done():
                 message.done.set_result(self._core().reset_prefix_cache())
             return
-        self._count(self._inbox_load, message, -1)
-        collector = self._collectors.get(message.request_id)
-        if collector is None:
-            return  # the caller left before the loop picked the request up
-        requests = self._processor.add_request(
-            message.request_id,
-            message.prompt_token_ids,
-            message.params,
-            message.cache_salt,
-            message.prompt,
-            message.labels,
-            message.arrival_time,
-        )
+        requests = self._track(message)
+        if not requests:
+            return
         try:
             for request in requests:
                 self._core().add_request(request)
         except ValueError as exc:
             self._abort(message.request_id)
-            collector.put(exc)
+            self._collectors[message.request_id].put(exc)
             return
         self._count(self._waiting_load, message, +1)
 
