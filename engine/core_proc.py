@@ -271,6 +271,12 @@ class EngineCoreProc:
         elif kind == QUIT:
             self._quitted.add(client)
             self._watch.pop(client, None)
+            if self._owner is not None:  # what it left running serves nobody now
+                left = [rid for rid, owner in self._owner.items() if owner == client]
+                self.core.abort_requests(left)
+                for request_id in left:
+                    del self._owner[request_id]
+                self._idle_stats_due = True
         else:
             raise ValueError(f"unknown frame kind {kind!r}")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from engine import (
     RequestOutput,
     RequestValidationError,
     SamplingParams,
+    start_core,
 )
 from engine.sampling_params import RequestOutputKind
 from tests.tiny_models import make_tiny_model
@@ -162,3 +164,35 @@ def test_a_failed_step_fails_the_streams_and_the_engine(model_dir: Path) -> None
     asyncio.run(run())
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_two_frontends_share_a_core_and_one_that_quits_loses_its_requests(
+    model_dir: Path,
+) -> None:
+    """Each frontend gets its own requests' outputs; the requests of one that quits are
+    aborted (their blocks freed) while the other goes on; the core exits after both."""
+    args = EngineArgs(model=str(model_dir), **ARGS)  # type: ignore[arg-type]
+    start = start_core(args, None, None, num_frontends=2)
+    try:
+        first, second = (AsyncLLM.attach(channel, start.proc.pid) for channel in start.channels)
+
+        async def run() -> None:
+            first.start()
+            second.start()
+            long = SamplingParams(max_tokens=200, ignore_eos=True)
+            left = first.generate(list(range(10, 60)), long, "left-behind")
+            await left.__anext__()  # running, holding blocks
+            await first.stop()  # QUIT, without aborting its stream first
+            short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+            done = await final(second.generate([5, 6, 7], short, "served"))
+            assert len(done.outputs[0].token_ids) == 8
+            # Nothing holds a block: the quitter's request was aborted, not left running.
+            assert await second.reset_prefix_cache() is True
+            await second.stop()
+
+        asyncio.run(run())
+        assert start.proc.wait(timeout=30) == 0
+    finally:
+        if start.proc.poll() is None:
+            start.proc.kill()
+        shutil.rmtree(start.directory, ignore_errors=True)
