@@ -78,7 +78,12 @@ def run_api_servers(settings: ServerSettings, engine_args: EngineArgs, hooks: En
     port = reserved.getsockname()[1]
     metrics_dir = tempfile.mkdtemp(prefix="pagedserve-metrics-")
     logging_config = process_logging_config(settings.log_level, settings.log_format)
-    start = start_core(engine_args, hooks, logging_config, count)
+    try:
+        start = start_core(engine_args, hooks, logging_config, count)
+    except BaseException:
+        reserved.close()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+        raise
     logger.info("engine core: process %d, %d frontends on port %d", start.proc.pid, count, port)
     frontends: list[subprocess.Popen[bytes]] = []
     try:
