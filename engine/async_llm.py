@@ -491,16 +491,27 @@ class AsyncLLM:
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
-            logger.exception("engine frontend failed")
-            self.error = exc
-            for collector in self._collectors.values():
-                collector.put(EngineDeadError(f"the engine failed: {exc!r}"))
+            self._fail(exc)
         finally:
             sender.cancel()
+
+    def _fail(self, exc: BaseException) -> None:
+        logger.error("engine frontend failed", exc_info=exc)
+        self.error = exc
+        for collector in self._collectors.values():
+            collector.put(EngineDeadError(f"the engine failed: {exc!r}"))
 
     async def _send_inbox(self) -> None:
         """Sends what the inbox holds, in one batch of adds and one of aborts per wake-up:
         callers that arrive together reach the core in one message."""
+        try:
+            await self._send_batches()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # the engine is unusable without its sender
+            self._fail(exc)
+
+    async def _send_batches(self) -> None:
         assert self._remote is not None
         while True:
             messages = [await self._inbox.get()]

@@ -196,3 +196,23 @@ def test_two_frontends_share_a_core_and_one_that_quits_loses_its_requests(
         if start.proc.poll() is None:
             start.proc.kill()
         shutil.rmtree(start.directory, ignore_errors=True)
+
+
+def test_a_frontend_that_cannot_send_fails_loudly(model_dir: Path) -> None:
+    """A bug on the sending side must not leave callers waiting forever."""
+    engine = make_engine(model_dir, in_process=False)
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("the output processor broke")
+
+    async def run() -> None:
+        engine.start()
+        engine._processor.add_request = broken  # type: ignore[method-assign]
+        try:
+            with pytest.raises(EngineDeadError, match="the output processor broke"):
+                await final(engine.generate([5, 6, 7], SamplingParams(max_tokens=3), "r"))
+            assert not engine.is_alive
+        finally:
+            await engine.stop()
+
+    asyncio.run(run())
