@@ -22,8 +22,8 @@ from server.app import create_app
 from server.settings import AppState, ServerSettings
 
 
-async def _await(future: Any) -> Any:
-    return await future
+async def _call(remote: Any, method: str) -> Any:
+    return await remote.call(method)  # on the server's loop, where the core's sockets are
 
 
 def metric(url: str, name: str, **labels: str) -> float:
@@ -99,8 +99,8 @@ class LiveServer:
         remote = self.engine._remote
         assert remote is not None and self.engine._task is not None
         loop = self.engine._task.get_loop()
-        call = asyncio.run_coroutine_threadsafe(_await(remote.call("core_state")), loop)
-        state, _ = call.result(timeout=30)
+        call = asyncio.run_coroutine_threadsafe(_call(remote, "core_state"), loop)
+        state: CoreState = call.result(timeout=30)
         return state
 
     def wait_idle(self, timeout: float) -> bool:

@@ -41,14 +41,29 @@ class CountingTokenizer:
         return getattr(self.inner, name)
 
 
-@pytest.fixture
-def server(tiny_model_dir: Path) -> Iterator[LiveServer]:
+def admission_server(tiny_model_dir: Path, in_process: bool) -> LiveServer:
     """Two running slots and room for 8 queued choices and 64 queued tokens; slow steps
     keep the blockers running (and the queue still) for seconds."""
-    engine = tiny_engine(tiny_model_dir, EngineHooks(step_delay=0.03), max_num_seqs=2)
-    with LiveServer(engine, max_num_queued_reqs=8, max_num_queued_tokens=64) as live:
+    engine = tiny_engine(
+        tiny_model_dir,
+        EngineHooks(step_delay=0.03),
+        max_num_seqs=2,
+        engine_in_process=in_process,
+    )
+    return LiveServer(engine, max_num_queued_reqs=8, max_num_queued_tokens=64)
+
+
+@pytest.fixture
+def server(tiny_model_dir: Path) -> Iterator[LiveServer]:
+    with admission_server(tiny_model_dir, in_process=True) as live:
         live.engine.tokenizer = CountingTokenizer(live.engine.tokenizer)
         yield live
+
+
+def num_running(server: LiveServer) -> int:
+    if server.engine.core is None:  # the core runs in a process of its own
+        return server.core_state().gauges.num_running
+    return len(server.engine.core.scheduler.running)
 
 
 def start_blockers(server: LiveServer, count: int) -> list[threading.Thread]:
@@ -63,7 +78,7 @@ def start_blockers(server: LiveServer, count: int) -> list[threading.Thread]:
     for thread in threads:
         thread.start()
     deadline = time.monotonic() + 10
-    while len(server.engine.core.scheduler.running) < count:
+    while num_running(server) < count:
         assert time.monotonic() < deadline, "the blockers never started"
         time.sleep(0.01)
     return threads
@@ -75,6 +90,17 @@ async def burst(url: str, bodies: list[dict[str, Any]]) -> list[httpx.Response]:
 
 
 def test_a_burst_past_the_queue_gets_503_and_the_admitted_are_served(server: LiveServer) -> None:
+    check_burst(server)
+
+
+def test_admission_counts_the_queue_of_a_core_in_its_own_process(tiny_model_dir: Path) -> None:
+    """The queue as the core's step results report it, plus what is on its way there."""
+    with admission_server(tiny_model_dir, in_process=False) as server:
+        check_burst(server)
+        assert server.wait_idle(timeout=30)  # nothing left running or holding blocks
+
+
+def check_burst(server: LiveServer) -> None:
     blockers = start_blockers(server, 2)
     responses = asyncio.run(burst(server.url, [SHORT] * 40))
     served = [r for r in responses if r.status_code == 200]
