@@ -104,3 +104,19 @@ def test_non_streamed_request_is_aborted_when_its_client_gives_up(
         # ...and the server serves the next request.
         ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "t10", "max_tokens": 2})
         assert ok.status_code == 200
+
+
+def test_a_client_that_gives_up_frees_a_core_in_its_own_process(tiny_model_dir: Path) -> None:
+    """The abort crosses to the core process: its choices end, their blocks are free."""
+    engine = tiny_engine(tiny_model_dir, EngineHooks(step_delay=0.1), engine_in_process=False)
+    with LiveServer(engine) as server:
+        outcomes: list[str] = []
+        client = threading.Thread(target=give_up, args=(server.url, LONG | {"n": 4}, outcomes))
+        client.start()
+        assert wait_until(lambda: server.core_state().gauges.num_running == 4, GIVE_UP_S / 2)
+        client.join()
+        assert outcomes == ["gave up"]
+        assert server.wait_idle(2.0), "the abandoned request still holds the engine"
+        assert server.metric("vllm:num_requests_running") == 0
+        assert server.metric("vllm:kv_cache_usage_perc") == 0
+        assert server.metric("vllm:request_success_total", finished_reason="abort") == 4
