@@ -66,7 +66,7 @@ STEP, REJECT, REPLY, VIEW, FATAL, FAILED = b"S", b"J", b"R", b"V", b"T", b"F"
 # a call in flight (a grammar compiling) it looks back sooner.
 IDLE_POLL_MS = 500
 # Not `-m engine.core_proc`: this module's classes must pickle under their own name.
-ENTRY_POINT = "import sys; from engine.core_proc import main; sys.exit(main())"
+ENTRY_POINT = "from engine.core_proc import run_and_exit; run_and_exit()"
 PENDING_POLL_MS = 5
 # With tensor-parallel workers, an idle core looks this often for one that died (the
 # group's watchdog thread notices it), so the frontend fails its probes at once.
@@ -326,7 +326,7 @@ class EngineCoreProc:
 
 
 def main() -> int:
-    """The process's entry point (ENTRY_POINT), with a pickled CoreLaunch on stdin."""
+    """The process's work (ENTRY_POINT runs it), with a pickled CoreLaunch on stdin."""
     from engine.core import EngineCore
 
     launch: CoreLaunch = pickle.load(sys.stdin.buffer)
@@ -377,6 +377,17 @@ def main() -> int:
             socket.close()
         context.term()
     return code
+
+
+def run_and_exit() -> None:
+    """main(), then the exit without the interpreter's teardown of torch, which takes a
+    second or more and would hold up the frontend's shutdown (the core has closed what it
+    holds by then; only the logs need flushing)."""
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _report(channels: list[CoreChannel], result: CoreReady | BaseException) -> None:

@@ -188,11 +188,18 @@ def test_stall_timeout_fails_readiness_while_a_step_hangs(
         assert httpx.get(f"{server.url}/ready").status_code == 200
 
 
-def test_engine_failure_fails_requests_and_probes(tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("in_process", [True, False], ids=["in-process", "core-process"])
+def test_engine_failure_fails_requests_and_probes(
+    tiny_model_dir: Path, tmp_path: Path, in_process: bool
+) -> None:
+    """A step that raises ends the streams with an error event. In-process, the server then
+    fails its probes and answers 500; with the core in its own process, the core exits
+    after reporting the failure, and so does the server (exit 1), as for any dead core."""
     env = {"PAGEDSERVE_TEST_FAIL_AFTER_STEPS": "3"}
-    with ServerProcess(
-        [str(tiny_model_dir), *TINY_ARGS], env=env, log=tmp_path / "server.log"
-    ) as server:
+    args = [str(tiny_model_dir), *TINY_ARGS] + (["--engine-in-process"] if in_process else [])
+    log = tmp_path / "server.log"
+    with ServerProcess(args, env=env, log=log) as server:
+        assert server.proc is not None
         assert httpx.get(f"{server.url}/health").status_code == 200
         events: list[dict] = []
         started = time.monotonic()
@@ -205,7 +212,12 @@ def test_engine_failure_fails_requests_and_probes(tiny_model_dir: Path, tmp_path
         assert time.monotonic() - started < 2.0
         errors = [e for e in events if "error" in e]
         assert errors and errors[0]["error"]["type"] == "server_error"
+        assert "injected engine step failure" in errors[0]["error"]["message"]
         assert events[-1] == {"done": True}
+        if not in_process:
+            assert server.proc.wait(timeout=30) == 1
+            assert "the engine core process exited with code 1" in log.read_text()
+            return
         for path in ("/health", "/ready"):
             response = httpx.get(f"{server.url}{path}")
             assert response.status_code == 503 and "engine" in response.json()["reason"]
