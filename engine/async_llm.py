@@ -167,13 +167,7 @@ class AsyncLLM:
         or with `args.engine_in_process` on the thread that will run the steps
         (engine_thread)."""
         if not args.engine_in_process:
-            process = CoreProcess.launch(args, hooks, logging_config)
-            try:
-                tokenizer = load_tokenizer(process.config.model)
-            except BaseException:
-                process.close()
-                raise
-            return cls(process, tokenizer)
+            return cls._over(CoreProcess.launch(args, hooks, logging_config))
         executor = engine_thread()
         try:
             core = executor.submit(EngineCore.from_args, args, hooks).result()
@@ -186,7 +180,11 @@ class AsyncLLM:
     def attach(cls, channel: CoreChannel, pid: int) -> AsyncLLM:
         """A frontend of the engine core process `pid` that a supervisor started for
         several frontends (start_core); blocks until the core has loaded."""
-        process = CoreProcess.attach(channel, pid)
+        return cls._over(CoreProcess.attach(channel, pid))
+
+    @classmethod
+    def _over(cls, process: CoreProcess) -> AsyncLLM:
+        """The frontend of a loaded core process, with the model's tokenizer."""
         try:
             tokenizer = load_tokenizer(process.config.model)
         except BaseException:

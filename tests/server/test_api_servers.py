@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from prometheus_client.mmap_dict import MmapedDict
 
 from tests.server.live import ServerProcess, free_port, metric
 from tests.server.test_engine_process import alive, core_pid, wait_gone
-from tests.server.test_lifecycle import stream_completion
+from tests.server.test_lifecycle import start_streams
 from tests.server.test_tensor_parallel import descendants
 
 pytestmark = pytest.mark.slow  # four server starts, a minute in all
@@ -101,15 +100,7 @@ def test_sigterm_drains_every_frontend_then_ends_all(tiny_model_dir: Path, tmp_p
             "ignore_eos": True,
             "stream_options": {"include_usage": True},
         }
-        streams = [([], threading.Event()) for _ in range(4)]
-        threads = [
-            threading.Thread(target=stream_completion, args=(server.url, body, events, first))
-            for events, first in streams
-        ]
-        for thread in threads:
-            thread.start()
-        for _, first in streams:
-            assert first.wait(timeout=60)
+        streams, threads = start_streams(server.url, body, 4)
         server.proc.send_signal(signal.SIGTERM)
         for thread in threads:
             thread.join(timeout=60)

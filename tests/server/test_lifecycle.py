@@ -20,6 +20,25 @@ from tests.server.live import LiveServer, ServerProcess
 TINY_ARGS = ["--dtype", "float32", "--num-kv-blocks", "256", "--max-model-len", "256"]
 
 
+def start_streams(
+    url: str, body: dict, count: int
+) -> tuple[list[tuple[list[dict], threading.Event]], list[threading.Thread]]:
+    """`count` streams of `body`, each on a thread, once each has its first event: their
+    (events, first-event flag) pairs and threads."""
+    streams: list[tuple[list[dict], threading.Event]] = [
+        ([], threading.Event()) for _ in range(count)
+    ]
+    threads = [
+        threading.Thread(target=stream_completion, args=(url, body, events, first))
+        for events, first in streams
+    ]
+    for thread in threads:
+        thread.start()
+    for _, first in streams:
+        assert first.wait(60), "a stream never started"
+    return streams, threads
+
+
 def stream_completion(url: str, body: dict, events: list[dict], first: threading.Event) -> None:
     with httpx.stream(
         "POST", f"{url}/v1/completions", json=body | {"stream": True}, timeout=120
@@ -53,15 +72,7 @@ def test_sigterm_drains_in_flight_streams(default_model_dir: Path, tmp_path: Pat
             "ignore_eos": True,
             "temperature": 0,
         }
-        streams = [([], threading.Event()) for _ in range(4)]
-        threads = [
-            threading.Thread(target=stream_completion, args=(server.url, body, events, first))
-            for events, first in streams
-        ]
-        for t in threads:
-            t.start()
-        for _, first in streams:
-            assert first.wait(60), "a stream never started"
+        streams, threads = start_streams(server.url, body, 4)
         at_signal = [len(events) for events, _ in streams]
         server.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 5
