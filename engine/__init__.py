@@ -35,7 +35,7 @@ from engine.outputs import (
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler.output import SchedulerStats
 from engine.streams import RequestStream
-from engine.structured_output.params import StructuredOutputsParams
+from engine.structured_output.params import ReasoningBounds, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM, StatsListener
@@ -67,6 +67,7 @@ __all__ = [
     "FinishedView",
     "IterationStats",
     "Logprobs",
+    "ReasoningBounds",
     "RequestOutput",
     "RequestOutputKind",
     "RequestStream",

@@ -20,6 +20,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine import AsyncLLM
+from server import reasoning, tool_parsers
 from server.admission import Admission, QueueLimits
 from server.body import parse_body
 from server.chat import create_chat_completion, render_chat
@@ -129,13 +130,18 @@ def create_app(
         gc.collect()
         gc.freeze()
         loaded.start(metrics.record)
+        template = settings.chat_template or getattr(loaded.tokenizer, "chat_template", None)
         state.serving = ServingContext(
             loaded,
             model_name,
             metrics,
             admission,
             chat_template=settings.chat_template,
-            tool_call_parser=settings.tool_call_parser,
+            tool_format=tool_parsers.resolve(settings.tool_call_parser, template, loaded.tokenizer),
+            tools_refusal=tool_parsers.refusal(settings.tool_call_parser, template),
+            reasoning=None
+            if settings.reasoning_parser is None
+            else reasoning.FORMATS[settings.reasoning_parser],
         )
         state.phase = Phase.READY
         logger.info("ready: serving %s", model_name)

@@ -1,8 +1,9 @@
 """From chat messages to the conversation a chat template renders, tools included.
 
 A template that knows about tools (it mentions `tools`) gets them as Hugging Face passes
-them: `tools=[...]`, assistant `tool_calls` with their arguments as objects, and `tool`
-messages. A template without tool support (SmolLM2's) gets the built-in Hermes-style form:
+them: `tools=[...]`, assistant `tool_calls` with their arguments as objects, `tool`
+messages, and an assistant turn's thinking as `reasoning_content`. A template without tool
+support (SmolLM2's) gets the built-in Hermes-style form (with --tool-call-parser hermes):
 the tool list in the system message, past calls as <tool_call> blocks in the assistant's
 text, and tool results as user messages wrapped in <tool_response> tags (a role every
 template accepts).
@@ -11,15 +12,13 @@ template accepts).
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
+from server.errors import OpenAIError
 from server.messages import ChatMessage, ToolCall
-from server.tool_parser import CLOSE, OPEN
+from server.tool_parsers.hermes import CLOSE, OPEN
 from server.tools import ToolPlan
-
-_MENTIONS_TOOLS = re.compile(r"\btools\b")
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -33,10 +32,6 @@ def load_chat_template(value: str | None) -> str | None:
     if path.is_file():
         return path.read_text()
     raise ValueError(f"{value!r} is neither a readable file nor a Jinja template")
-
-
-def supports_tools(template: str | None) -> bool:
-    return template is not None and _MENTIONS_TOOLS.search(template) is not None
 
 
 def conversation(
@@ -55,7 +50,16 @@ def conversation(
     for turn in turns:
         turn.pop("tool_results", None)
     if plan is not None:
-        _add_system_prompt(turns, plan.system_prompt())
+        prompt = plan.fmt.system_prompt(plan.tools)
+        if prompt is None:
+            raise OpenAIError(
+                400,
+                f"this model's chat template has no tool support, and the {plan.fmt.name} "
+                "tool format has no built-in prompt; give a tool-aware template with "
+                "--chat-template, or use --tool-call-parser hermes",
+                "tools",
+            )
+        _add_system_prompt(turns, prompt)
     return turns
 
 
@@ -73,6 +77,9 @@ def _native(message: ChatMessage) -> dict[str, Any]:
         ]  # fmt: skip
     if message.tool_call_id:
         turn["tool_call_id"] = message.tool_call_id
+    thinking = message.reasoning if message.reasoning is not None else message.reasoning_content
+    if thinking is not None:
+        turn["reasoning_content"] = thinking
     return _named(message, turn)
 
 

@@ -2,8 +2,9 @@
 
 Text is the only content this server reads: a content part of another type (image_url,
 input_audio, file, ...) is a 400 that names the part's type and where it is, rather than a
-pydantic path. Assistant messages may carry `refusal` and `tool_calls` (then `content` may
-be null); tool results come as `role: tool` with the `tool_call_id` they answer.
+pydantic path. Assistant messages may carry `refusal`, `tool_calls` (then `content` may be
+null) and their thinking (`reasoning`, or `reasoning_content`); tool results come as
+`role: tool` with the `tool_call_id` they answer.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ class ChatMessage(_Strict):
     refusal: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    # An assistant turn's thinking, as this server returns it (`reasoning`) or under the
+    # older name (`reasoning_content`); templates read it as `reasoning_content`.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         """What the model reads: the text (a refusal is what the assistant said)."""
@@ -67,7 +72,7 @@ def check_messages(messages: list[ChatMessage]) -> None:
             raise OpenAIError(
                 400, "a tool message needs the tool_call_id it answers", f"{where}.tool_call_id"
             )
-        for field in ("tool_calls", "refusal"):
+        for field in ("tool_calls", "refusal", "reasoning", "reasoning_content"):
             if getattr(message, field) is not None and message.role != "assistant":
                 raise OpenAIError(400, f"only assistant messages carry {field}", f"{where}.{field}")
         if message.tool_call_id is not None and message.role != "tool":

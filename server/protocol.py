@@ -113,6 +113,7 @@ class ChatCompletionRequest(SamplingFields):
     # Chat-template controls (vLLM extensions).
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _reject_unsupported(self) -> ChatCompletionRequest:

@@ -30,7 +30,9 @@ from engine import (
 from server.admission import Admission, Ticket
 from server.errors import OpenAIError, error_body
 from server.metrics import ServerMetrics
+from server.reasoning import ReasoningFormat
 from server.tenants import tenant_cache_salt
+from server.tool_parsers import ToolFormat
 
 T = TypeVar("T")
 # Text longer than this is tokenized (or a chat template rendered) off the event loop, so
@@ -47,9 +49,13 @@ class ServingContext:
     model_name: str
     metrics: ServerMetrics
     admission: Admission
-    # --chat-template's text (None: the tokenizer's) and --tool-call-parser.
+    # --chat-template's text (None: the tokenizer's).
     chat_template: str | None = None
-    tool_call_parser: str = "hermes"
+    # --tool-call-parser's format, resolved; without one, why tools are refused.
+    tool_format: ToolFormat | None = None
+    tools_refusal: str = ""
+    # --reasoning-parser's format.
+    reasoning: ReasoningFormat | None = None
     _token_text: dict[int, str] = field(default_factory=dict)
     # One thread: long inputs are tokenized one at a time, beside the event loop.
     _tokenizer_thread: ThreadPoolExecutor = field(
@@ -104,7 +110,7 @@ class Choice:
 
     index: int
     text: str = ""
-    num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[Any] = field(default_factory=list)
@@ -130,7 +136,7 @@ class PromptRun:
         for completion in output.outputs:
             choice = self.choices[completion.index]
             choice.text += completion.text
-            choice.num_tokens += len(completion.token_ids)
+            choice.token_ids += completion.token_ids
             choice.logprobs += completion.logprobs or []
             choice.finish_reason = completion.finish_reason
             choice.stop_reason = completion.stop_reason
@@ -231,7 +237,7 @@ async def run_to_completion(
 def usage(runs: list[PromptRun]) -> dict[str, Any]:
     prompt = sum(len(run.prompt_ids) for run in runs)
     cached = sum(run.num_cached_tokens for run in runs)
-    completion = sum(c.num_tokens for run in runs for c in run.choices)
+    completion = sum(len(c.token_ids) for run in runs for c in run.choices)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,

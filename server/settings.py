@@ -72,10 +72,18 @@ class ServerSettings(BaseModel):
         default=None,
         description="Jinja chat template, or a file holding one, used instead of the tokenizer's",
     )
-    tool_call_parser: Literal["hermes", "none"] = Field(
-        default="hermes",
-        description="how tool calls are prompted and read back: hermes (<tool_call> JSON "
-        "blocks) or none (requests with tools are refused)",
+    tool_call_parser: Literal[
+        "auto", "hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "none"
+    ] = Field(
+        default="auto",
+        description="the format tool calls are written and read in: auto picks it from the "
+        "chat template (a template without tool support gets none); hermes also prompts "
+        "models whose template has no tool support; none refuses requests with tools",
+    )
+    reasoning_parser: Literal["qwen3", "deepseek_r1", "granite"] | None = Field(
+        default=None,
+        description="split the model's thinking from its answer into the message's "
+        "`reasoning` field; structured outputs then apply from the end of the thinking",
     )
     log_level: Literal["debug", "info", "warning", "error", "critical"] = Field(
         default="info", description="log level"

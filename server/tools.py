@@ -1,20 +1,21 @@
 """Tool calling: the `tools`, `tool_choice` and `parallel_tool_calls` fields, and what they
 make the engine do.
 
-`auto` lets the model write calls itself (the Hermes parser reads them back, see
-server/tool_parser.py); `required` and a named function are enforced by a grammar, so the
-answer is always well-formed calls whose arguments match the function's JSON schema:
+`auto` lets the model write calls itself (the server's tool format reads them back, see
+server/tool_parsers/); `required` and a named function are enforced by the format's
+grammar, so the answer is always well-formed calls whose arguments match the function's
+JSON schema. For Hermes:
 
     start: call ("\\n" call)*          (just `call` for a named function or no parallel calls)
     call: "<tool_call>\\n" (f0 | f1 | ...) "\\n</tool_call>"
     f0: %json {"properties": {"name": {"const": "get_weather"}, "arguments": <schema>}, ...}
 
-With `parallel_tool_calls: false` under `auto`, generation stops after the first call.
+With `parallel_tool_calls: false` under `auto`, generation stops after the first call where
+the format marks a call's end, and only the first call is returned otherwise.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -23,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from engine import StructuredOutputsParams
 from server.errors import OpenAIError
 from server.structured import Constraint
-from server.tool_parser import CLOSE, OPEN
+from server.tool_parsers import CallParser, ToolCallStream, ToolFormat
 
 
 class _Strict(BaseModel):
@@ -56,11 +57,13 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 @dataclass(frozen=True)
 class ToolPlan:
-    """The tools a request offers the model and how it must use them."""
+    """The tools a request offers the model, how it must use them, and the format (the
+    model family's) that its calls are written and read in."""
 
     tools: list[Tool]
     mode: Literal["auto", "required", "named"]
     parallel: bool
+    fmt: ToolFormat
     named: str | None = None
 
     def constraint(self) -> Constraint | None:
@@ -68,68 +71,44 @@ class ToolPlan:
         if self.mode == "auto":
             return None
         offered = [t for t in self.tools if self.named in (None, t.function.name)]
-        rules = [f"f{i}: %json {json.dumps(_call_schema(t))}" for i, t in enumerate(offered)]
-        alternatives = " | ".join(f"f{i}" for i in range(len(offered)))
-        start = (
-            'start: call ("\\n" call)*'
-            if self.parallel and self.mode == "required"
-            else ("start: call")
-        )
-        call = f"call: {json.dumps(OPEN + chr(10))} ({alternatives}) {json.dumps(chr(10) + CLOSE)}"
-        grammar = "\n".join([start, call, *rules])
+        many = self.parallel and self.mode == "required"
+        grammar = self.fmt.grammar(offered, many)
         return Constraint(StructuredOutputsParams(grammar=grammar), "tools")
 
     def stop(self) -> tuple[str, ...]:
-        """Stop strings the plan adds: under `auto` without parallel calls, the first
-        call's closing tag ends generation."""
-        return (CLOSE,) if self.mode == "auto" and not self.parallel else ()
+        """Stop strings the plan adds: under `auto` without parallel calls, the end of the
+        first call ends generation, where the format marks it."""
+        single = self.mode == "auto" and not self.parallel
+        return (self.fmt.call_end,) if single and self.fmt.call_end else ()
 
-    def system_prompt(self) -> str:
-        """The built-in Hermes-style instructions, for chat templates without tool support."""
-        listed = "\n".join(json.dumps(t.model_dump(exclude_none=True)) for t in self.tools)
-        return (
-            "You can call functions to help with the user's request. The functions you may "
-            f"call are listed, one JSON signature per line, between <tools> and </tools>:\n"
-            f"<tools>\n{listed}\n</tools>\n"
-            "To call a function, answer with a JSON object holding its name and arguments "
-            f"between {OPEN} and {CLOSE} tags:\n"
-            f'{OPEN}\n{{"name": "function-name", "arguments": {{"argument": "value"}}}}\n{CLOSE}'
-        )
+    @property
+    def max_calls(self) -> int | None:
+        """Calls a choice may return: one without parallel calls."""
+        return None if self.parallel else 1
 
+    def parser(self) -> CallParser:
+        return self.fmt.parser(self.tools)
 
-def _call_schema(tool: Tool) -> dict[str, Any]:
-    """One function's call as a JSON schema; the parameters' $defs move to its root, where
-    their "#/$defs/..." references point."""
-    parameters = dict(tool.function.parameters or {"type": "object", "properties": {}})
-    schema: dict[str, Any] = {
-        "type": "object",
-        "properties": {"name": {"const": tool.function.name}, "arguments": parameters},
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-        "x-guidance": {"whitespace_flexible": False},
-    }
-    for defs in ("$defs", "definitions"):
-        if defs in parameters:
-            schema[defs] = parameters.pop(defs)
-    return schema
+    def stream(self) -> ToolCallStream:
+        return ToolCallStream(self.fmt, self.parser(), self.max_calls)
 
 
 def plan_tools(
     tools: list[Tool] | None,
     tool_choice: ToolChoice | None,
     parallel_tool_calls: bool | None,
-    parser: str,
+    fmt: ToolFormat | None,
+    refusal: str,
 ) -> ToolPlan | None:
     """None when the model gets no tools (none given, or tool_choice "none"). Raises
-    OpenAIError 400 naming the field for a choice that cannot be met."""
+    OpenAIError 400 naming the field for a choice that cannot be met, and with `refusal`
+    when the server has no tool format."""
     if not tools:
         if tool_choice not in (None, "none"):
             raise OpenAIError(400, "tool_choice needs tools", "tool_choice")
         return None
-    if parser == "none":
-        raise OpenAIError(
-            400, "tool calling is off on this server (--tool-call-parser none)", "tools"
-        )
+    if fmt is None:
+        raise OpenAIError(400, refusal, "tools")
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
         raise OpenAIError(400, "tool function names must be unique", "tools")
@@ -144,5 +123,5 @@ def plan_tools(
                 f"tool_choice names function '{choice.function.name}', which is not in tools",
                 "tool_choice.function.name",
             )
-        return ToolPlan(tools, "named", parallel, choice.function.name)
-    return ToolPlan(tools, choice, parallel)
+        return ToolPlan(tools, "named", parallel, fmt, choice.function.name)
+    return ToolPlan(tools, choice, parallel, fmt)

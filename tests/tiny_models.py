@@ -72,7 +72,7 @@ def save_byte_tokenizer(path: Path) -> None:
 
 
 def make_config(kind: str, vocab_size: int = VOCAB, max_positions: int = 512):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size,
@@ -104,6 +104,8 @@ def make_config(kind: str, vocab_size: int = VOCAB, max_positions: int = 512):
         )
     if kind == "qwen2":
         return Qwen2Config(**common)
+    if kind == "mistral":
+        return MistralConfig(**common, sliding_window=None)
     if kind == "qwen3":
         return Qwen3Config(**common, head_dim=16)
     raise ValueError(kind)

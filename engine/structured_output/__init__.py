@@ -3,7 +3,11 @@ and each request's grammar state (request). Pure Python except `backend`, the gr
 which the manager loads on first use; the scheduler sees only the GrammarMatcher protocol."""
 
 from engine.structured_output.manager import StructuredOutputManager
-from engine.structured_output.params import GrammarKey, StructuredOutputsParams
+from engine.structured_output.params import (
+    GrammarKey,
+    ReasoningBounds,
+    StructuredOutputsParams,
+)
 from engine.structured_output.request import (
     CompiledGrammar,
     GrammarMatcher,
@@ -14,6 +18,7 @@ __all__ = [
     "CompiledGrammar",
     "GrammarKey",
     "GrammarMatcher",
+    "ReasoningBounds",
     "StructuredOutputManager",
     "StructuredOutputRequest",
     "StructuredOutputsParams",

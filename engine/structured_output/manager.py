@@ -68,7 +68,7 @@ class StructuredOutputManager:
 
     def request_grammar(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
         """A new request's grammar state (its matcher is created once compiled)."""
-        return StructuredOutputRequest(self.compile(params))
+        return StructuredOutputRequest(self.compile(params), params.reasoning)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

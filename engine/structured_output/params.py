@@ -28,10 +28,33 @@ class GrammarKey:
 
 
 @dataclass(frozen=True)
+class ReasoningBounds:
+    """Free reasoning before the constrained answer: the grammar applies from the end of
+    the reasoning, not from the first token.
+
+    `end_ids` lists the token sequences that end the reasoning (`</think>`). When the
+    prompt already opened it (`opened`), output starts inside it. Otherwise the model may
+    open it with its first token, one of `start_ids` (`<think>`), which the grammar's first
+    mask then also allows; any other first token starts the answer.
+    """
+
+    end_ids: tuple[tuple[int, ...], ...]
+    start_ids: tuple[int, ...] = ()
+    opened: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "end_ids", tuple(tuple(e) for e in self.end_ids))
+        object.__setattr__(self, "start_ids", tuple(self.start_ids))
+        if not self.end_ids or not all(self.end_ids):
+            raise RequestValidationError("reasoning bounds need end token ids", "reasoning")
+
+
+@dataclass(frozen=True)
 class StructuredOutputsParams:
     """One output constraint. `json` is a JSON schema (a dict, or its JSON text); `grammar`
     is a Lark grammar (llguidance's dialect) or a GBNF one; `choice` lists exact outputs.
     `disable_additional_properties` closes every object schema that does not say otherwise.
+    With `reasoning`, the constraint starts where the model's reasoning ends.
     Raises RequestValidationError naming the field when the combination is invalid."""
 
     json: dict[str, Any] | str | None = None
@@ -42,6 +65,7 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = True
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
+    reasoning: ReasoningBounds | None = None
 
     def __post_init__(self) -> None:
         if self.choice is not None:

@@ -7,9 +7,12 @@ which grammar engine is behind the `GrammarMatcher` protocol.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from concurrent.futures import Future
 from typing import Protocol
+
+from engine.structured_output.params import ReasoningBounds
 
 logger = logging.getLogger(__name__)
 
@@ -38,16 +41,43 @@ class CompiledGrammar(Protocol):
 
 
 class StructuredOutputRequest:
-    """Waits for its grammar's compilation (on the manager's threads), then owns a matcher.
+    r"""Waits for its grammar's compilation (on the manager's threads), then owns a matcher.
 
-    Preemption needs nothing here: it keeps the request's output tokens, and the matcher has
-    accepted exactly those, so it stays at the right point when the request resumes.
+    With reasoning bounds the output goes through phases; only the last is constrained:
+
+        "maybe" --start token--> "reasoning" --end tokens--> "grammar"
+           \--------------any other first token--------------^
+
+    Preemption needs nothing here: it keeps the request's output tokens, and the phase and
+    matcher have seen exactly those, so they stay right when the request resumes.
     """
 
-    def __init__(self, compiled: Future[CompiledGrammar]) -> None:
+    def __init__(
+        self, compiled: Future[CompiledGrammar], reasoning: ReasoningBounds | None = None
+    ) -> None:
         self.compiled = compiled
         self.matcher: GrammarMatcher | None = None
         self.error: BaseException | None = None
+        self.reasoning = reasoning
+        if reasoning is None:
+            self.phase = "grammar"
+        else:
+            self.phase = "reasoning" if reasoning.opened else "maybe"
+        self._recent: list[int] = []  # the reasoning's last tokens, to match its end
+
+    def constrains_next(self) -> bool:
+        """Whether the next token is masked (not while reasoning)."""
+        return self.phase != "reasoning"
+
+    def fill_bitmask(self, address: int, num_bytes: int) -> None:
+        """The matcher's bitmask, plus the tokens that may open reasoning where that is
+        still possible (see GrammarMatcher.fill_bitmask for the layout)."""
+        assert self.matcher is not None, "mask requested before the grammar was ready"
+        self.matcher.fill_bitmask(address, num_bytes)
+        if self.phase == "maybe" and self.reasoning is not None:
+            for token in self.reasoning.start_ids:
+                word = ctypes.c_uint32.from_address(address + 4 * (token // 32))
+                word.value |= 1 << (token % 32)
 
     def ready(self) -> bool:
         """True once compiled (or failed: see `error`); creates the matcher the first time."""
@@ -63,9 +93,25 @@ class StructuredOutputRequest:
     def advance(self, token_id: int) -> bool:
         """Accepts a sampled token; True when the grammar has ended (nothing more allowed)."""
         assert self.matcher is not None, "advance() before the grammar was ready"
+        if self.reasoning is not None and self._in_reasoning(self.reasoning, token_id):
+            return False
         if not self.matcher.accept_token(token_id):
             # The bitmask allowed only grammatical tokens, so this is an engine bug: end the
             # request rather than sample from a broken matcher.
             logger.error("grammar rejected sampled token %d", token_id)
             return True
         return self.matcher.is_terminated()
+
+    def _in_reasoning(self, bounds: ReasoningBounds, token_id: int) -> bool:
+        """Mutates the phase; True when `token_id` belongs to the reasoning."""
+        if self.phase == "maybe":
+            self.phase = "reasoning" if token_id in bounds.start_ids else "grammar"
+            return self.phase == "reasoning"
+        if self.phase != "reasoning":
+            return False
+        self._recent.append(token_id)
+        longest = max(len(end) for end in bounds.end_ids)
+        del self._recent[:-longest]
+        if any(tuple(self._recent[-len(end) :]) == end for end in bounds.end_ids):
+            self.phase = "grammar"
+        return True

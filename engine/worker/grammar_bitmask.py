@@ -11,10 +11,19 @@ a token the grammar forbids.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Protocol
+
 import torch
 
 from engine.request import Request
-from engine.structured_output import GrammarMatcher
+
+
+class Bitmask(Protocol):
+    """What writes a row's allowed tokens (a GrammarMatcher, or a request's grammar state)."""
+
+    def fill_bitmask(self, address: int, num_bytes: int) -> None: ...
+
 
 _MASK = float("-inf")
 
@@ -35,15 +44,15 @@ class GrammarBitmask:
 
     def apply_to(self, logits: torch.Tensor, requests: list[Request]) -> None:
         """Mutates `logits` (one row per request): masks the constrained requests' rows."""
-        rows, matchers = [], []
+        rows: list[int] = []
+        masks: list[Bitmask] = []
         for row, request in enumerate(requests):
-            if request.structured is not None:
-                assert request.structured.matcher is not None, "scheduled before compiled"
+            if request.structured is not None and request.structured.constrains_next():
                 rows.append(row)
-                matchers.append(request.structured.matcher)
-        self.apply(logits, rows, matchers)
+                masks.append(request.structured)
+        self.apply(logits, rows, masks)
 
-    def apply(self, logits: torch.Tensor, rows: list[int], matchers: list[GrammarMatcher]) -> None:
+    def apply(self, logits: torch.Tensor, rows: list[int], matchers: Sequence[Bitmask]) -> None:
         """Mutates `logits` (num_rows, >= vocab): in each listed row, tokens the row's matcher
         does not allow become -inf (columns past the vocabulary too)."""
         if not rows:

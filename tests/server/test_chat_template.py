@@ -9,10 +9,11 @@ import httpx
 import pytest
 
 from engine import AsyncLLM, EngineArgs
-from server.chat_template import conversation, load_chat_template, supports_tools
+from server.chat_template import conversation, load_chat_template
 from server.cli import build_parser, configs_from_args
 from server.errors import OpenAIError
 from server.messages import ChatMessage
+from server.tool_parsers import Hermes, refusal, resolve, template_supports_tools
 from server.tools import Tool, plan_tools
 from tests.server.live import LiveServer
 from tests.tiny_models import make_tiny_model
@@ -55,19 +56,31 @@ def test_chat_template_flag_takes_a_file_or_the_template_itself(tmp_path: Path) 
     settings, _ = configs_from_args(args)
     assert settings.chat_template == TOOL_TEMPLATE and settings.tool_call_parser == "none"
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "--tool-call-parser", "mistral"])
+        build_parser().parse_args(["serve", "--tool-call-parser", "functionary"])
 
 
-def test_tool_call_parser_none_refuses_tools() -> None:
+@pytest.mark.parametrize(
+    ("setting", "template", "says"),
+    [
+        ("none", TOOL_TEMPLATE, "--tool-call-parser none"),
+        ("auto", "{{ messages }}", "--tool-call-parser hermes"),
+        ("auto", TOOL_TEMPLATE, "--tool-call-parser set to the model's format"),
+    ],
+)
+def test_servers_without_a_tool_format_refuse_tools_naming_the_flag(
+    setting: str, template: str, says: str
+) -> None:
+    assert resolve(setting, template, None) is None
     with pytest.raises(OpenAIError) as err:
-        plan_tools([Tool.model_validate(TOOL)], None, None, "none")
+        plan_tools([Tool.model_validate(TOOL)], None, None, None, refusal(setting, template))
     assert err.value.status == 400 and err.value.param == "tools"
+    assert says in err.value.message
 
 
 def test_builtin_hermes_rendering_for_templates_without_tools() -> None:
     messages = [ChatMessage.model_validate(m) for m in MESSAGES]
-    plan = plan_tools([Tool.model_validate(TOOL)], "auto", None, "hermes")
-    assert not supports_tools("{{ messages }}") and supports_tools(TOOL_TEMPLATE)
+    plan = plan_tools([Tool.model_validate(TOOL)], "auto", None, Hermes(), "")
+    assert not template_supports_tools("{{ messages }}") and template_supports_tools(TOOL_TEMPLATE)
     turns = conversation(messages, plan, native_tools=False)
     assert [t["role"] for t in turns] == ["system", "user", "assistant", "user"]
     assert turns[0]["content"].startswith("Be brief.\n\n") and '"name": "f"' in turns[0]["content"]
@@ -92,7 +105,7 @@ def template_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveSe
             engine_in_process=True,
         )
     )
-    with LiveServer(engine, chat_template=TOOL_TEMPLATE) as live:
+    with LiveServer(engine, chat_template=TOOL_TEMPLATE, tool_call_parser="hermes") as live:
         yield live
 
 
@@ -115,10 +128,10 @@ def test_a_tool_aware_template_gets_tools_and_calls_natively(template_server: Li
 
 def test_auto_without_parallel_calls_stops_after_the_first_call() -> None:
     tools = [Tool.model_validate(TOOL)]
-    auto_single = plan_tools(tools, "auto", False, "hermes")
+    auto_single = plan_tools(tools, "auto", False, Hermes(), "")
     assert auto_single is not None and auto_single.stop() == ("</tool_call>",)
     assert auto_single.constraint() is None  # auto is the model's own choice
-    required = plan_tools(tools, "required", False, "hermes")
+    required = plan_tools(tools, "required", False, Hermes(), "")
     assert required is not None and required.stop() == ()  # the grammar allows one call
     assert required.constraint() is not None
-    assert plan_tools(tools, "none", None, "hermes") is None  # tools are not even shown
+    assert plan_tools(tools, "none", None, Hermes(), "") is None  # tools are not even shown

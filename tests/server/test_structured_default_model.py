@@ -83,7 +83,8 @@ def default_server(default_model_dir: Path) -> Iterator[LiveServer]:
         kv_cache_memory=512 << 20,
         engine_in_process=True,
     )
-    with LiveServer(AsyncLLM.from_engine_args(args)) as server:
+    # SmolLM2's template has no tool support: the built-in Hermes prompt describes tools.
+    with LiveServer(AsyncLLM.from_engine_args(args), tool_call_parser="hermes") as server:
         yield server
 
 

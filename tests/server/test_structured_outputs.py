@@ -62,7 +62,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     engine = AsyncLLM.from_engine_args(
         EngineArgs(model=str(path), dtype="float32", num_kv_blocks=512, max_model_len=2048)
     )
-    with LiveServer(engine, served_model_name="tiny") as live:
+    with LiveServer(engine, served_model_name="tiny", tool_call_parser="hermes") as live:
         yield live
 
 
