@@ -28,7 +28,7 @@ $(VENV)/.installed: pyproject.toml $(NATIVE_SOURCES)
 install: $(VENV)/.installed
 
 serve: install
-	$(VENV)/bin/pagedserve serve --port $(PORT)
+	$(VENV)/bin/pagedserve serve --port $(PORT) --tool-call-parser hermes
 
 lint: install
 	$(VENV)/bin/ruff check engine server tests benchmarks setup.py

@@ -187,27 +187,34 @@ async def create_chat_completion(
         for c in runs[0].choices
     ]
     out = response_body(ctx, response_id, "chat.completion", choices, runs)
-    _add_reasoning_tokens(ctx, out["usage"], runs, phase)
+    await _add_reasoning_tokens(ctx, out["usage"], runs, phase)
     return out
 
 
-def _add_reasoning_tokens(
+async def _add_reasoning_tokens(
     ctx: ServingContext, totals: dict[str, Any], runs: list[PromptRun], phase: Phase
 ) -> None:
     """Mutates `totals`: completion_tokens_details.reasoning_tokens, with a reasoning
-    parser."""
-    if ctx.reasoning is None:
-        return
+    parser (counting decodes the output a few times: off the loop for long ones)."""
     fmt = ctx.reasoning
-    count = 0
-    for run in runs:
-        skip = run.params.skip_special_tokens
+    if fmt is None:
+        return
 
-        def decode(ids: list[int], skip: bool = skip) -> str:
-            return str(ctx.tokenizer.decode(ids, skip_special_tokens=skip))
+    def count() -> int:
+        total = 0
+        for run in runs:
+            skip = run.params.skip_special_tokens
 
-        count += sum(reasoning_tokens(c.token_ids, decode, fmt, phase) for c in run.choices)
-    totals["completion_tokens_details"] = {"reasoning_tokens": count}
+            def decode(ids: list[int], skip: bool = skip) -> str:
+                return str(ctx.tokenizer.decode(ids, skip_special_tokens=skip))
+
+            total += sum(reasoning_tokens(c.token_ids, decode, fmt, phase) for c in run.choices)
+        return total
+
+    size = sum(len(c.token_ids) for run in runs for c in run.choices)
+    totals["completion_tokens_details"] = {
+        "reasoning_tokens": await ctx.tokenizer_call(size, count)
+    }
 
 
 def _final_choice(
@@ -288,5 +295,5 @@ async def _stream(
         final = chunk(0, {})
         final["choices"] = []
         final["usage"] = usage(runs)
-        _add_reasoning_tokens(ctx, final["usage"], runs, phase)
+        await _add_reasoning_tokens(ctx, final["usage"], runs, phase)
         yield final

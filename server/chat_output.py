@@ -45,12 +45,15 @@ class ChoiceReader:
             return fields, False
         parsed = self.plan.parser().parse(answer, True)
         calls = parsed.calls[: self.plan.max_calls]
-        if calls and finish_reason == "stop" and not all(_is_json(c.arguments) for c in calls):
-            logger.warning("unparseable tool call returned as content: %.200r", answer)
-            return fields, False
-        if not calls:
-            if self.plan.fmt.looks_like_call(answer):
-                logger.warning("unparseable tool call returned as content: %.200r", answer)
+        broken = calls and finish_reason == "stop" and not all(_is_json(c.arguments) for c in calls)
+        if broken or (not calls and self.plan.fmt.looks_like_call(answer)):
+            # The format and the size only: log lines never carry a request's text.
+            logger.warning(
+                "unparseable %s tool call returned as content (%d characters)",
+                self.plan.fmt.name,
+                len(answer),
+            )
+        if broken or not calls:
             return fields, False
         fields["content"] = parsed.content or None
         fields["tool_calls"] = tool_call_dicts(self.plan.fmt, calls)

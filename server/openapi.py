@@ -50,11 +50,17 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    # With --reasoning-parser (chat).
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -98,6 +104,8 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: str
     content: str | None
+    # The model's thinking, with --reasoning-parser.
+    reasoning: str | None = None
 
 
 class ChatChoice(BaseModel):

@@ -58,6 +58,8 @@ FAMILIES = {
         Family("mistral_nemo", "mistral_nemo.jinja", "mistral", "<s>", "</s>", _MISTRAL),
         Family("mistral_small_3_2", "mistral_small_3_2.jinja", "mistral", "<s>", "</s>",
                _MISTRAL),
+        Family("hermes3", "hermes3.jinja", "llama", "<|begin_of_text|>", "<|im_end|>", _QWEN,
+               ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")),
         Family("granite", "granite_3_3.jinja", "llama", None, "<|end_of_text|>", _GRANITE,
                ("<think>", "</think>", "<response>", "</response>"),
                {"reasoning_parser": "granite"}),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,6 +22,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from engine import AsyncLLM, EngineArgs
+from server.tool_parsers import detect
 from tests.server.families import FAMILIES, Family, make_family_model
 from tests.server.live import LiveServer
 
@@ -44,6 +46,7 @@ CLOCK = {
     "type": "function",
     "function": {
         "name": "get_time",
+        "description": "The time in a time zone",  # Hermes 3's template requires one
         "parameters": {
             "type": "object",
             "properties": {"tz": {"type": "string", "enum": ["UTC", "CET"]}},
@@ -65,6 +68,7 @@ ANSWER = {
 TOOL_RESULT = {
     "qwen3": "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>",
     "qwen3_coder": "<tool_response>\nsunny\n</tool_response>",
+    "hermes3": "<|im_start|>tool\n<tool_response>\nsunny\n</tool_response><|im_end|>",
     "deepseek_r1": "<｜User｜><tool_response>\nsunny\n</tool_response>",  # built-in Hermes
     "llama3_json": '<|start_header_id|>ipython<|end_header_id|>\n\n"sunny"<|eot_id|>',
     "pythonic": '<|start_header_id|>ipython<|end_header_id|>\n\n{"output": "sunny"}<|eot_id|>',
@@ -236,6 +240,30 @@ def test_reasoning_then_a_valid_answer(servers: Any, name: str) -> None:
     assert (again["reasoning"], again["content"]) == (thinking, message.content)
 
 
+def test_thinking_then_a_required_tool_call(servers: Any) -> None:
+    """tool_choice "required" under a reasoning parser: free thinking, then the call."""
+    spec, live, tokenizer = servers("qwen3")
+    sdk = client(live)
+    request: dict[str, Any] = dict(
+        model=sdk.models.list().data[0].id,
+        messages=USER,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        temperature=1.0,
+        seed=5,
+        max_tokens=300,
+        extra_body=thinking_fields(spec, tokenizer),
+    )
+    message = sdk.chat.completions.create(**request).choices[0].message
+    assert (message.model_extra or {}).get("reasoning")
+    (call,) = message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["get_weather"])
+    again = streamed(sdk.chat.completions.create(**request, stream=True))
+    assert again["reasoning"] == message.model_extra["reasoning"]
+    assert again["calls"][0]["args"] == call.function.arguments
+
+
 def test_qwen3_without_thinking_answers_at_once(servers: Any) -> None:
     _, live, _ = servers("qwen3")
     sdk = client(live)
@@ -259,3 +287,73 @@ def test_a_template_whose_call_format_is_unknown_gets_a_400_naming_the_flag(serv
     with pytest.raises(openai.BadRequestError) as err:
         sdk.chat.completions.create(model=sdk.models.list().data[0].id, messages=USER, tools=TOOLS)
     assert "--tool-call-parser" in str(err.value) and err.value.body["param"] == "tools"
+
+
+@pytest.mark.parametrize("field", ["reasoning", "reasoning_content"])
+def test_past_thinking_reaches_the_template(servers: Any, field: str) -> None:
+    """An assistant turn's thinking, under either name, is the template's
+    `reasoning_content` (Qwen3 renders it for the turns after the last question)."""
+    _, live, tokenizer = servers("qwen3")
+    call = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+    assistant = {
+        "role": "assistant",
+        "content": None,
+        field: "Ask the clock.",
+        "tool_calls": [call],
+    }
+    messages = [*USER, assistant, {"role": "tool", "tool_call_id": "c1", "content": "noon"}]
+    body = {"messages": messages, "tools": TOOLS}
+    ids = httpx.post(f"{live.url}/v1/chat/completions/render", json=body).json()["token_ids"]
+    prompt = tokenizer.decode(ids, skip_special_tokens=False)
+    assert "<|im_start|>assistant\n<think>\nAsk the clock.\n</think>\n\n<tool_call>" in prompt
+    user_thinking = httpx.post(
+        f"{live.url}/v1/chat/completions/render",
+        json={"messages": [{"role": "user", "content": "x", field: "y"}]},
+    )
+    assert user_thinking.status_code == 400 and user_thinking.json()["error"]["param"].endswith(
+        field
+    )
+
+
+# README row -> the family the tests above run it as ("default": the default model's tests).
+README_ROWS = {
+    "Qwen3 (thinking on and off)": "qwen3",
+    "Qwen3-Coder": "qwen3_coder",
+    "Hermes 2 Pro, Hermes 3": "hermes3",
+    "DeepSeek-R1 distills": "deepseek_r1",
+    "Llama 3.1, 3.2, 3.3": "llama3_json",
+    "Llama pythonic templates": "pythonic",
+    "Mistral Nemo, Small 3.1": "mistral_nemo",
+    "Mistral Small 3.2, Magistral, Devstral": "mistral_small_3_2",
+    "Granite 3.2, 3.3": "granite",
+    "SmolLM2 (the default model)": "default",
+}
+
+
+def readme_families() -> list[list[str]]:
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    section = readme.split("### Model families", 1)[1].split("\n#", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and "---" not in line]
+    return [[cell.strip().strip("`") for cell in row.strip("|").split(" | ")] for row in rows[1:]]
+
+
+def test_the_readme_family_table_is_what_the_tests_run() -> None:
+    rows = readme_families()
+    assert [row[0] for row in rows] == list(README_ROWS)
+    for family, template, tool_flag, reasoning_flag in rows:
+        name = README_ROWS[family]
+        if name == "default":  # tests/server/test_structured_default_model.py
+            assert tool_flag.startswith("hermes") and reasoning_flag == "none"
+            continue
+        spec = FAMILIES[name]
+        assert template == spec.template
+        assert spec.flags.get("reasoning_parser", "none") == reasoning_flag
+        assert (name in TOOL_RESULT) == (not tool_flag.startswith("none"))
+        found = detect(spec.template_text())
+        if tool_flag.startswith("auto"):
+            assert "tool_call_parser" not in spec.flags
+            assert found is not None and tool_flag.endswith(f"→ `{found.name}")
+        elif tool_flag.startswith("none"):
+            assert found is None and "tool_call_parser" not in spec.flags
+        else:
+            assert tool_flag.startswith(spec.flags["tool_call_parser"])

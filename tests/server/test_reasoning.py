@@ -144,7 +144,7 @@ def test_an_unparseable_call_is_content(caplog: pytest.LogCaptureFixture) -> Non
     text = '<tool_call>{"name": "get_weather", "arguments": {"city": }}</tool_call>'
     message, has_calls = ChoiceReader(None, "closed", plan).message(text, "stop")
     assert not has_calls and message == {"content": text}
-    assert "unparseable tool call" in caplog.text
+    assert "unparseable hermes tool call" in caplog.text and "city" not in caplog.text
 
 
 def test_reasoning_tokens_count_up_to_the_end_marker() -> None:
