@@ -39,8 +39,10 @@ logger = logging.getLogger("pagedserve.server")
 FRONTEND_ENTRY = (
     "import sys; from server.api_servers import frontend_main; sys.exit(frontend_main())"
 )
-# After the frontends have exited, how long the core gets to see their QUITs and close.
+# After the frontends have exited, how long the core gets to see their QUITs and close;
+# after a failure, a frontend that died never sent its QUIT, so the core gets a moment only.
 CORE_EXIT_TIMEOUT_S = 15.0
+FAILED_CORE_EXIT_TIMEOUT_S = 1.0
 # After a failure, how long the other processes get to exit on SIGTERM before SIGKILL.
 KILL_AFTER_S = 10.0
 
@@ -148,7 +150,7 @@ def supervise(core: subprocess.Popen[bytes], frontends: list[subprocess.Popen[by
         if any(proc.returncode != 0 for proc in frontends):
             code = 1
         try:
-            core.wait(timeout=CORE_EXIT_TIMEOUT_S)
+            core.wait(timeout=FAILED_CORE_EXIT_TIMEOUT_S if code else CORE_EXIT_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             logger.warning("engine core: still running after its frontends; killing it")
             core.kill()
@@ -179,12 +181,16 @@ def frontend_main() -> int:
     launch: FrontendLaunch = pickle.load(sys.stdin.buffer)
     settings = launch.settings
     log_config = configure_logging(settings.log_level, settings.log_format)
-    sock = listening_socket(settings.host, launch.port)
-
-    def load() -> AsyncLLM:
-        return AsyncLLM.attach(launch.channel, launch.core_pid)
-
-    code = serve_app(load, settings, log_config, sockets=[sock], frontend_index=launch.index)
+    # Attached before it listens: the kernel hands connections to every listening frontend,
+    # so one still attaching would answer them 503 while the others serve.
+    try:
+        engine = AsyncLLM.attach(launch.channel, launch.core_pid)
+    except Exception:
+        logger.exception("model loading failed")
+        code = 1
+    else:
+        sock = listening_socket(settings.host, launch.port)
+        code = serve_app(engine, settings, log_config, sockets=[sock], frontend_index=launch.index)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -155,14 +155,15 @@ def run_server(settings: ServerSettings, engine_args: EngineArgs) -> int:
 
 
 def serve_app(
-    load: Callable[[], AsyncLLM],
+    load: AsyncLLM | Callable[[], AsyncLLM],
     settings: ServerSettings,
     log_config: dict[str, Any],
     sockets: list[socket.socket] | None = None,
     frontend_index: int | None = None,
 ) -> int:
-    """Serves the gateway over the engine `load` returns (on the given listening sockets, or
-    on --host/--port) until a signal or a failure; returns the exit code."""
+    """Serves the gateway over the engine `load` returns, or over `load` itself, loaded (on
+    the given listening sockets, or on --host/--port) until a signal or a failure; returns
+    the exit code."""
     try:
         app = create_app(load, settings, frontend_index)
     except (OSError, ValueError) as exc:  # a bad --api-keys-file
