@@ -73,7 +73,7 @@ class ServerSettings(BaseModel):
         description="Jinja chat template, or a file holding one, used instead of the tokenizer's",
     )
     tool_call_parser: Literal[
-        "auto", "hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "none"
+        "auto", "granite", "hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "none"
     ] = Field(
         default="auto",
         description="the format tool calls are written and read in: auto picks it from the "

@@ -20,6 +20,7 @@ from server.tool_parsers.base import (
     ToolFormat,
     tool_call_dicts,
 )
+from server.tool_parsers.granite import Granite
 from server.tool_parsers.hermes import Hermes
 from server.tool_parsers.llama3_json import Llama3Json
 from server.tool_parsers.mistral import Mistral
@@ -30,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 # In the order `auto` tries them: Qwen3-Coder's templates also contain <tool_call>.
 FORMATS: dict[str, type[ToolFormat]] = {
-    f.name: f for f in (Qwen3Coder, Hermes, Mistral, Pythonic, Llama3Json)
+    f.name: f for f in (Qwen3Coder, Hermes, Mistral, Granite, Pythonic, Llama3Json)
 }
 CHOICES = ("auto", *sorted(FORMATS), "none")
 
@@ -81,6 +82,7 @@ __all__ = [
     "CHOICES",
     "FORMATS",
     "CallParser",
+    "Granite",
     "Hermes",
     "Llama3Json",
     "Mistral",

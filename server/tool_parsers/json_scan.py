@@ -81,7 +81,10 @@ class ObjectScanner:
         start = self.i
         self._expect('"')
         while self.peek() != '"':
-            self.i += 2 if self.text[self.i] == "\\" else 1
+            if self.text[self.i] == "\\":
+                self.i += 1
+                self.peek()  # the escaped character: the text may end before it
+            self.i += 1
         self.i += 1
         try:
             return str(json.loads(self.text[start : self.i]))

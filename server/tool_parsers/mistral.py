@@ -34,20 +34,31 @@ TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 _ID_CHARS = string.ascii_letters + string.digits
 
 
-class _Parser:
+class MarkedCalls:
+    """Calls after a marker, as a JSON array of call objects, or (with `named`) as
+    `name[ARGS]{...}` calls each behind the marker. Text before the marker is content."""
+
+    def __init__(self, marker: str, named: bool) -> None:
+        self.marker = marker
+        self.named = named
+
     def parse(self, text: str, final: bool) -> Parsed:
-        start = text.find(TOOL_CALLS)
+        start = text.find(self.marker)
         if start < 0:
-            held = text if final else without_partial(text, (TOOL_CALLS,))
+            held = text if final else without_partial(text, (self.marker,))
             return Parsed(join_content([held], final), [])
         calls: list[ParsedCall] = []
-        pos = skip_ws(text, start + len(TOOL_CALLS))
+        pos = skip_ws(text, start + len(self.marker))
         try:
             if pos < len(text) and text[pos] == "[":
                 pos = self._array(text, pos + 1, final, calls)
-            else:
+            elif self.named:
                 pos = self._named(text, pos, final, calls)
+            elif pos == len(text) and not final:
+                raise Pending
         except Pending:
+            if final and not calls:
+                return Parsed(text, [])
             return Parsed(join_content([text[:start], None], False), calls)
         if not calls:
             return Parsed(text, [])  # the marker starts no call: all of it is content
@@ -124,7 +135,7 @@ class Mistral(ToolFormat):
         return ARGS in self.template
 
     def parser(self, tools: list[Tool]) -> CallParser:
-        return _Parser()
+        return MarkedCalls(TOOL_CALLS, named=True)
 
     def new_call_id(self) -> str:
         return "".join(secrets.choice(_ID_CHARS) for _ in range(9))

@@ -39,7 +39,7 @@ _MISTRAL = ("[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILAB
             "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]",
             "[ARGS]", "[CALL_ID]", "[TOOL_CONTENT]")  # fmt: skip
 _DEEPSEEK = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>")
-_GRANITE = ("<|start_of_role|>", "<|end_of_role|>", "<|end_of_text|>")
+_GRANITE = ("<|start_of_role|>", "<|end_of_role|>", "<|end_of_text|>", "<|tool_call|>")
 
 FAMILIES = {
     f.name: f

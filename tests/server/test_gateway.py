@@ -136,6 +136,15 @@ def test_bad_input_gets_openai_shaped_4xx(
     assert ok.status_code == 200
 
 
+def test_tools_on_a_template_without_tool_support_name_the_flag(tiny_server: LiveServer) -> None:
+    """The default --tool-call-parser auto finds no tool format in this template."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    response = post(tiny_server, "/v1/chat/completions", {"messages": USER, "tools": [tool]})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "tools" and "--tool-call-parser hermes" in error["message"]
+
+
 def test_context_length_exceeded_code(tiny_server: LiveServer) -> None:
     response = post(tiny_server, "/v1/completions", {"prompt": "t10 " * 300, "max_tokens": 1})
     assert response.json()["error"]["code"] == "context_length_exceeded"

@@ -137,6 +137,25 @@ CASES: dict[str, dict[str, tuple[str, str, list[tuple[str, str]]]]] = {
             [("f", '{"a": 1}')],
         ),
     },
+    "granite": {
+        "none": ("Paris is sunny.", "Paris is sunny.", []),
+        "array-one": (
+            '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+            "",
+            [("get_weather", '{"city": "Paris"}')],
+        ),
+        "text-then-two": (
+            'Checking. <|tool_call|>[{"arguments": {"a": 1}, "name": "f"}, {"name": "g"}]',
+            "Checking.",
+            [("f", '{"a": 1}'), ("g", "{}")],
+        ),
+        "delimiters-in-arguments": (
+            '<|tool_call|>[{"name": "f", "arguments": {"s": "<|tool_call|>[{\\"x\\"}]"}}]',
+            "",
+            [("f", '{"s": "<|tool_call|>[{\\"x\\"}]"}')],
+        ),
+        "marker-without-calls": ("<|tool_call|> sorry", "<|tool_call|> sorry", []),
+    },
     "pythonic": {
         "none": ("Paris is sunny [citation needed].", "Paris is sunny [citation needed].", []),
         "one": ('[get_weather(city="Paris")]', "", [("get_weather", '{"city": "Paris"}')]),
