@@ -59,9 +59,9 @@ def sampling_params(
     keep_special_tokens: bool = False,
 ) -> SamplingParams:
     """Validates every sampling field; the first bad one becomes a 400 naming it. Streams get
-        DELTA outputs, other requests one final output. `constraint` and `extra_stop` come from
-        the request's other fields (response_format, tools); `keep_special_tokens` (a tool format
-    whose markers are special tokens) makes skip_special_tokens default to false."""
+    DELTA outputs, other requests one final output. `constraint` and `extra_stop` come from
+    the request's other fields (response_format, tools); `keep_special_tokens` (a tool
+    format whose markers are special tokens) makes skip_special_tokens default to false."""
     if isinstance(body, ChatCompletionRequest):
         max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -89,9 +89,9 @@ def sampling_params(
         "repetition_penalty": body.repetition_penalty,
         "min_tokens": body.min_tokens,
         "ignore_eos": body.ignore_eos,
-        "skip_special_tokens": body.skip_special_tokens
-        if body.skip_special_tokens is not None or not keep_special_tokens
-        else False,
+        "skip_special_tokens": False
+        if body.skip_special_tokens is None and keep_special_tokens
+        else body.skip_special_tokens,
         "include_stop_str_in_output": body.include_stop_str_in_output,
         "stop": _stop(body.stop, extra_stop),
         "stop_token_ids": body.stop_token_ids,

@@ -18,15 +18,12 @@ edges.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from engine import ReasoningBounds
 from server.tool_parsers.base import without_partial
-
-logger = logging.getLogger(__name__)
 
 _WS = " \t\n\r"
 Phase = Literal["open", "maybe", "closed"]
