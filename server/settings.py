@@ -73,12 +73,22 @@ class ServerSettings(BaseModel):
         description="Jinja chat template, or a file holding one, used instead of the tokenizer's",
     )
     tool_call_parser: Literal[
-        "auto", "granite", "hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "none"
+        "auto",
+        "granite",
+        "hermes",
+        "llama3_json",
+        "mistral",
+        "pythonic",
+        "qwen3_coder",
+        "llama4_json",
+        "llama4_pythonic",
+        "none",
     ] = Field(
         default="auto",
         description="the format tool calls are written and read in: auto picks it from the "
         "chat template (a template without tool support gets none); hermes also prompts "
-        "models whose template has no tool support; none refuses requests with tools",
+        "models whose template has no tool support; none refuses requests with tools "
+        "(llama4_json and llama4_pythonic, vLLM's names, are llama3_json and pythonic)",
     )
     reasoning_parser: Literal["qwen3", "deepseek_r1", "granite"] | None = Field(
         default=None,

@@ -33,7 +33,9 @@ logger = logging.getLogger(__name__)
 FORMATS: dict[str, type[ToolFormat]] = {
     f.name: f for f in (Qwen3Coder, Hermes, Mistral, Granite, Pythonic, Llama3Json)
 }
-CHOICES = ("auto", *sorted(FORMATS), "none")
+# vLLM's names for the same formats.
+ALIASES = {"llama4_json": "llama3_json", "llama4_pythonic": "pythonic"}
+CHOICES = ("auto", *sorted(FORMATS), *sorted(ALIASES), "none")
 
 
 def template_supports_tools(template: str | None) -> bool:
@@ -53,7 +55,7 @@ def resolve(setting: str, template: str | None, tokenizer: Any) -> ToolFormat | 
     if setting == "none":
         return None
     if setting != "auto":
-        return FORMATS[setting](tokenizer, template)
+        return FORMATS[ALIASES.get(setting, setting)](tokenizer, template)
     found = detect(template)
     if found is None:
         logger.info("--tool-call-parser auto: %s", refusal(setting, template))
@@ -79,6 +81,7 @@ def refusal(setting: str, template: str | None) -> str:
 
 
 __all__ = [
+    "ALIASES",
     "CHOICES",
     "FORMATS",
     "CallParser",

@@ -13,7 +13,15 @@ from server.chat_template import conversation, load_chat_template
 from server.cli import build_parser, configs_from_args
 from server.errors import OpenAIError
 from server.messages import ChatMessage
-from server.tool_parsers import Hermes, refusal, resolve, template_supports_tools
+from server.tool_parsers import (
+    CHOICES,
+    Hermes,
+    Llama3Json,
+    Pythonic,
+    refusal,
+    resolve,
+    template_supports_tools,
+)
 from server.tools import Tool, plan_tools
 from tests.server.live import LiveServer
 from tests.tiny_models import make_tiny_model
@@ -57,6 +65,16 @@ def test_chat_template_flag_takes_a_file_or_the_template_itself(tmp_path: Path) 
     assert settings.chat_template == TOOL_TEMPLATE and settings.tool_call_parser == "none"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--tool-call-parser", "functionary"])
+
+
+def test_every_format_and_alias_is_a_choice_of_the_flag() -> None:
+    for choice in CHOICES:
+        settings, _ = configs_from_args(
+            build_parser().parse_args(["serve", "--tool-call-parser", choice])
+        )
+        assert settings.tool_call_parser == choice
+    assert isinstance(resolve("llama4_pythonic", None, None), Pythonic)
+    assert isinstance(resolve("llama4_json", None, None), Llama3Json)
 
 
 @pytest.mark.parametrize(

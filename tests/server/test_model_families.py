@@ -123,6 +123,7 @@ def streamed(stream: Any) -> dict[str, Any]:
     """Rebuilds a streamed choice from its deltas, as SDK users do."""
     out: dict[str, Any] = {"content": "", "reasoning": "", "calls": {}, "finish": None}
     for chunk in stream:
+        out["usage"] = chunk.usage or out.get("usage")
         for choice in chunk.choices:
             delta = choice.delta
             out["content"] += delta.content or ""
@@ -237,8 +238,12 @@ def test_reasoning_then_a_valid_answer(servers: Any, name: str) -> None:
     details = whole.usage.completion_tokens_details
     assert details.reasoning_tokens == tokens.index("</think>") + 1
 
-    again = streamed(sdk.chat.completions.create(**request, stream=True))
+    stream = sdk.chat.completions.create(
+        **request, stream=True, stream_options={"include_usage": True}
+    )
+    again = streamed(stream)
     assert (again["reasoning"], again["content"]) == (thinking, message.content)
+    assert again["usage"].completion_tokens_details.reasoning_tokens == details.reasoning_tokens
 
 
 def test_thinking_then_a_required_tool_call(servers: Any) -> None:
