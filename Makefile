@@ -11,7 +11,7 @@ TEST_WORKERS ?= 2
 # `make soak`: seconds of random load (`make test` runs a one-minute soak).
 SOAK_SECONDS ?= 600
 
-.PHONY: install serve test soak lint format clean promtool chromium
+.PHONY: install serve test soak lint format clean promtool chromium docs
 
 # The native CPU kernels are compiled against the venv's torch (setup.py), so the build
 # runs without isolation, after torch and the build tools; editing a kernel source
@@ -61,5 +61,10 @@ test: install lint promtool chromium
 soak: install
 	$(PY) -m tests.server.soak --duration $(SOAK_SECONDS)
 
+# The documentation site from docs/ (MkDocs, Material theme) into site/; strict, so a broken
+# link or a page missing from the nav fails it (tests/test_docs.py builds it too).
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build engine/ops/_C*.so
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build site engine/ops/_C*.so

@@ -1,7 +1,7 @@
 """The engine's host work per request and step, apart from the model: scheduling, input
 metadata, sampling, detokenization and output processing, on a model so small that its
 forward costs next to nothing. On a GPU this work decides the step time of a small model
-(the first GPU run in the README: scheduler and output processing were 37-47% of the time
+(the first GPU run in docs/gpu.md: scheduler and output processing were 37-47% of the time
 at 128-256 sequences), so it is measured here, on the CPU, where it runs in any case.
 
     python benchmarks/host_overhead.py --num-seqs 256 --output-len 64

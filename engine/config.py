@@ -25,7 +25,7 @@ QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu-native", "flashinfer")
 # The step's token budget when --max-num-batched-tokens is not given. On the CPU a step's
 # prefill tokens are most of its time, so the budget bounds the ITL of the requests decoding
-# beside it: in a sweep of 128/256/512 (README, "Benchmarks"), 256 halved the ITL p99 at 16
+# beside it: in a sweep of 128/256/512 (docs/benchmarks.md), 256 halved the ITL p99 at 16
 # and 64 concurrent streams against 512 for about 3% of output tok/s; 128 cost 12%.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 256, "cuda": 8192}
 

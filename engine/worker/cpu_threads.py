@@ -21,7 +21,7 @@ class StepThreads:
     the one stepping it. That left the process two OpenMP pools, more pool threads than
     cores, and libgomp then parks its threads after every parallel region (see
     engine.async_llm.engine_thread). With one pool, two threads made a single-stream decode
-    step faster for every weight format measured (README, "Threads").
+    step faster for every weight format measured (docs/benchmarks.md, "Threads").
     """
 
     def __init__(self, max_threads: int) -> None:

@@ -1,5 +1,5 @@
 """Tensor parallelism over NCCL, one GPU per rank (run by hand on a host with two GPUs:
-see the README's GPU runbook). Without two CUDA GPUs every test here is skipped."""
+see docs/gpu.md). Without two CUDA GPUs every test here is skipped."""
 
 from __future__ import annotations
 

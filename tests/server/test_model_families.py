@@ -312,7 +312,7 @@ def test_past_thinking_reaches_the_template(servers: Any, field: str) -> None:
     )
 
 
-# README row -> the family the tests above run it as ("default": the default model's tests).
+# Docs table row -> the family the tests above run it as ("default": the default model's tests).
 README_ROWS = {
     "Qwen3 (thinking on and off)": "qwen3",
     "Qwen3-Coder": "qwen3_coder",
@@ -328,13 +328,14 @@ README_ROWS = {
 
 
 def readme_families() -> list[list[str]]:
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    section = readme.split("### Model families", 1)[1].split("\n#", 1)[0]
+    """The rows of the docs' model family table."""
+    page = Path(__file__).parents[2] / "docs" / "structured-outputs-and-tools.md"
+    section = page.read_text().split("## Model families", 1)[1].split("\n#", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("| ") and "---" not in line]
     return [[cell.strip().strip("`") for cell in row.strip("|").split(" | ")] for row in rows[1:]]
 
 
-def test_the_readme_family_table_is_what_the_tests_run() -> None:
+def test_the_docs_family_table_is_what_the_tests_run() -> None:
     rows = readme_families()
     assert [row[0] for row in rows] == list(README_ROWS)
     for family, template, tool_flag, reasoning_flag in rows:
