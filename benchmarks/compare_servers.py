@@ -17,8 +17,9 @@ Servers (install the peers in their own venvs, as ../shared/PEERS.md describes):
 Every server gets the same text prompts (llama.cpp's server takes no token ids), and every
 request forbids SmolLM2's end tokens (ids 0 and 2) with logit_bias, since llama.cpp ignores
 ignore_eos. Prints each workload's figures and the ratios against --baseline; writes
-compare.json and each run's JSON and CDF plot to --out. With --floor, also each run's share
-of its compute floor (compute_floor.py). Not a test: nothing is asserted.
+compare.json, compare.png (plot_compare.py) and each run's JSON and CDF plot to --out.
+With --floor, also each run's share of its compute floor (compute_floor.py). Not a test:
+nothing is asserted.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 import compute_floor
+import plot_compare
 import serve_bench
 
 # serve_bench arguments of each workload, by suite.
@@ -253,6 +255,7 @@ def main() -> None:
             results[name] = run_workloads(name, args, url)
         (args.out / "compare.json").write_text(json.dumps(results, indent=2))
     print_table(results, args.baseline)
+    plot_compare.plot(results, args.out / "compare.png", f"--suite {args.suite}")
     if args.floor:
         if args.gflops is None:
             rates.append(compute_floor.fastest_gemm_gflops(reps=5))

@@ -5,6 +5,7 @@ uses flags that exist."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shlex
@@ -113,3 +114,14 @@ def test_environment_variables_in_the_docs_exist() -> None:
             if name.endswith("_"):
                 continue  # the prefix itself, as in PAGEDSERVE_<FLAG>
             assert name in known | other, f"{path.name}: {name}"
+
+
+def test_the_results_chart_draws_from_its_figures(tmp_path: Path) -> None:
+    """The README's chart is plot_compare.py on the recorded figures; it draws."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import plot_compare
+
+    figures = DOCS / "results" / "2026-11-26-quantized.json"
+    plot_compare.plot(json.loads(figures.read_text()), tmp_path / "chart.png")
+    assert (tmp_path / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "docs/results/2026-11-26-quantized.png" in (ROOT / "README.md").read_text()
