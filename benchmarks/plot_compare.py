@@ -1,6 +1,7 @@
-"""Charts of a server comparison: output tok/s, and ITL p50/p99, per workload and server.
+"""Charts of a server comparison: output tok/s, and ITL p50/p99, per workload and server;
+or, with --tradeoff, throughput against ITL p99 across runs of one server's setting.
 
-    python benchmarks/plot_compare.py RESULTS.json OUT.png [--title TEXT]
+    python benchmarks/plot_compare.py RESULTS.json OUT.png [--title TEXT] [--tradeoff]
 
 RESULTS.json is what `compare_servers.py` writes (compare.json: server -> workload ->
 summary with `output_tokens_per_s`, `itl_p50_s`, `itl_p99_s`); compare_servers.py also
@@ -49,13 +50,39 @@ def plot(results: dict[str, dict[str, dict[str, Any]]], out: Path, title: str = 
     plt.close(fig)
 
 
+def plot_tradeoff(
+    results: dict[str, dict[str, dict[str, Any]]], out: Path, title: str = ""
+) -> None:
+    """Writes a PNG: per workload, output tok/s against ITL p99, one point per run (the
+    runs are the values of the setting swept, in RESULTS.json's order)."""
+    runs = list(results)
+    workloads = list(next(iter(results.values())))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for workload in workloads:
+        p99 = [1e3 * results[r][workload]["itl_p99_s"] for r in runs]
+        tok = [results[r][workload]["output_tokens_per_s"] for r in runs]
+        ax.plot(p99, tok, marker="o", label=workload)
+        for run, x, y in zip(runs, p99, tok, strict=True):
+            ax.annotate(run, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xlabel("ITL p99, ms (lower is better)")
+    ax.set_ylabel("output tok/s (higher is better)")
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", type=Path)
     parser.add_argument("out", type=Path)
     parser.add_argument("--title", default="")
+    parser.add_argument("--tradeoff", action="store_true", help="throughput against ITL p99")
     args = parser.parse_args()
-    plot(json.loads(args.results.read_text()), args.out, args.title)
+    draw = plot_tradeoff if args.tradeoff else plot
+    draw(json.loads(args.results.read_text()), args.out, args.title)
 
 
 if __name__ == "__main__":
