@@ -355,3 +355,12 @@ def test_the_docs_family_table_is_what_the_tests_run() -> None:
             assert found is None and "tool_call_parser" not in spec.flags
         else:
             assert tool_flag.startswith(spec.flags["tool_call_parser"])
+
+
+def test_template_kwargs_cannot_set_what_the_server_sets(servers: Any) -> None:
+    _, live, _ = servers("qwen3")
+    body = {"messages": USER, "chat_template_kwargs": {"tools": [], "enable_thinking": False}}
+    response = httpx.post(f"{live.url}/v1/chat/completions/render", json=body)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "chat_template_kwargs"
+    assert "'tools'" in response.json()["error"]["message"]
