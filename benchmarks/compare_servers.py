@@ -96,13 +96,23 @@ def check_port_free(url: str) -> None:
 
 @contextmanager
 def server(
-    cmd: list[str], env: dict[str, str], url: str, log: Path, timeout: float
+    cmd: list[str],
+    env: dict[str, str],
+    url: str,
+    log: Path,
+    timeout: float,
+    new_session: bool = False,
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """The server `cmd` starts, once it answers; terminated on exit."""
+    """The server `cmd` starts (in a session of its own with `new_session`, as a
+    container's process is), once it answers; terminated on exit."""
     check_port_free(url)
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            cmd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT
+            cmd,
+            env={**os.environ, **env},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=new_session,
         )
         try:
             wait_ready(url, proc, timeout)

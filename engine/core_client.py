@@ -57,6 +57,10 @@ class CoreStart:
     directory: str
 
 
+# The core's OpenMP wait policy, where the environment sets none (see start_core).
+OMP_WAIT_POLICY = "PASSIVE"
+
+
 def start_core(
     args: EngineArgs,
     hooks: EngineHooks | None,
@@ -77,6 +81,12 @@ def start_core(
         logging_config,
     )
     env = dict(os.environ)
+    # OpenMP threads that wait at a step's barriers sleep rather than spin (unless the user
+    # says otherwise). On a shared CPU a spinning thread burns its group's share while the
+    # one it waits for is parked: with one busy neighbour in another session (a container
+    # beside another), a default-model token took 1.2 s against 12 ms passive, and quiet
+    # runs were the same within noise (docs/benchmarks.md, "A shared or throttled CPU").
+    env.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
     # The same `engine` package as this process, wherever it was imported from.
     root = str(Path(engine.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))

@@ -5,15 +5,19 @@ through both processes, and leaves no process behind whichever side dies first."
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import threading
 import time
 from pathlib import Path
+from unittest.mock import patch
 
 import httpx
 import openai
 import pytest
 
+from engine import EngineArgs
+from engine.core_client import start_core
 from server.runner import STEP_DELAY_ENV
 from tests.server.live import LiveServer, ServerProcess, metric
 from tests.server.test_lifecycle import stream_completion
@@ -99,6 +103,22 @@ def test_an_idle_core_sleeps(tiny_model_dir: Path) -> None:
         before = cpu_seconds(pid)
         time.sleep(3)
         assert cpu_seconds(pid) - before < 0.3  # 10%, far above a sleeping process's share
+        # Nor at a step's barriers: its OpenMP threads wait passively unless told otherwise.
+        assert b"OMP_WAIT_POLICY=PASSIVE" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+
+
+def test_the_openmp_wait_policy_is_the_users_when_set() -> None:
+    with patch.dict(os.environ, {"OMP_WAIT_POLICY": "ACTIVE"}):
+        start = start_core(EngineArgs(model="/nonexistent"), None, None)
+        try:
+            environ = Path(f"/proc/{start.proc.pid}/environ").read_bytes().split(b"\0")
+            assert b"OMP_WAIT_POLICY=ACTIVE" in environ
+        finally:
+            start.proc.kill()
+            start.proc.wait()
+            for channel in start.channels:
+                os.close(channel.ready_fd)
+            shutil.rmtree(start.directory, ignore_errors=True)
 
 
 def test_a_dead_core_ends_the_server(tiny_model_dir: Path, tmp_path: Path) -> None:
