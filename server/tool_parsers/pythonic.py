@@ -212,6 +212,5 @@ class Pythonic(ToolFormat):
         for j, key in enumerate(required):
             lines.append(f"v{index}_{j}: %json {json.dumps(properties[key] | TIGHT)}")
             parts.append(f"{lark_literal(key + '=')} v{index}_{j}")
-        arguments = ' ", " '.join(parts)
-        head = lark_literal(tool.function.name + "(")
-        return [f"f{index}: {head} {arguments} {lark_literal(')')}".replace("  ", " "), *lines]
+        body = [lark_literal(tool.function.name + "("), ' ", " '.join(parts), lark_literal(")")]
+        return [f"f{index}: " + " ".join(piece for piece in body if piece), *lines]
