@@ -4,7 +4,7 @@ busy neighbours, as a pod on a busy node or under a CPU limit sees it.
     python benchmarks/shared_cpu.py [--model DIR] [--out benchmarks/results/shared-cpu]
 
 Each case starts `pagedserve serve` afresh (the default model at its defaults: Q4_1 on CPU)
-and measures, with serve_bench, 6 single-stream requests (200 tokens in, 64 out) and 32
+and measures, with serve_bench, 12 single-stream requests (200 tokens in, 64 out) and 32
 requests 16 at once (200 in, 64 out):
 
 - quiet;
@@ -35,7 +35,7 @@ import serve_bench
 from compare_servers import END_TOKENS, server
 
 WORKLOADS = {
-    "1 stream": "--num-requests 6 --concurrency 1 --input-len 200 --output-len 64",
+    "1 stream": "--num-requests 12 --concurrency 1 --input-len 200 --output-len 64",
     "16 at once": "--num-requests 32 --concurrency 16 --input-len 200 --output-len 64",
 }
 BUSY = [sys.executable, "-c", "while True: pass"]
@@ -100,10 +100,11 @@ def run_case(
     url = f"http://127.0.0.1:{args.port}"
     cmd = [*(prefix or []), sys.executable, "-m", "server.cli", "serve", args.model]
     cmd += ["--served-model-name", "m", "--host", "127.0.0.1", "--port", str(args.port)]
-    cmd += ["--no-log-requests"]
+    cmd += ["--no-log-requests", *args.server_args.split()]
     log = args.out.with_suffix(f".{label.replace(' ', '_')}.log")
     with ExitStack() as stack:
-        proc = stack.enter_context(server(cmd, {}, url, log, timeout=300, new_session=own_session))
+        env = dict(item.split("=", 1) for item in args.env)
+        proc = stack.enter_context(server(cmd, env, url, log, timeout=300, new_session=own_session))
         if setup is not None:
             setup(stack, proc)
         return measure(args, url, label)
@@ -114,6 +115,13 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="default: the bundled model")
     parser.add_argument("--port", type=int, default=8124)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/shared-cpu"))
+    parser.add_argument("--server-args", default="", help="more `pagedserve serve` flags")
+    parser.add_argument(
+        "--env", action="append", default=[], metavar="KEY=VALUE", help="the server's environment"
+    )
+    parser.add_argument(
+        "--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}"
+    )
     args = parser.parse_args()
     if args.model is None:
         from engine import prepare_default_model
@@ -121,32 +129,13 @@ def main() -> None:
         args.model = str(prepare_default_model())
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
-    def busy(count: int, own_session: bool = False) -> Callable[..., None]:
-        return lambda stack, proc: stack.enter_context(neighbours(count, own_session))
-
-    results = {"quiet": run_case(args, "quiet")}
-    results["1 neighbour, same session"] = run_case(args, "1 neighbour", setup=busy(1))
-    results["2 neighbours, same session"] = run_case(args, "2 neighbours", setup=busy(2))
-    results["server's own session, 1 neighbour"] = run_case(
-        args, "own session + 1 neighbour", own_session=True, setup=busy(1)
-    )
-    group = quota_cgroup()
-    if group is not None:
-        path, version = group
-
-        def join(stack: ExitStack, proc: subprocess.Popen[bytes]) -> None:
-            for pid in [proc.pid, *_descendants(proc.pid)]:
-                (path / "cgroup.procs").write_text(str(pid))
-
-        label = f"{QUOTA_CPUS} CPU quota (cgroup {version})"
-        try:
-            results[label] = run_case(args, "quota", setup=join)
-        finally:
-            path.rmdir()  # empty again: the server has exited
-    else:
-        label = "taskset onto 1 core"
-        results[label] = run_case(args, "taskset", prefix=["taskset", "-c", "0"])
-
+    cases = args.cases.split(",")
+    unknown = set(cases) - set(CASES)
+    if unknown or "quiet" not in cases:
+        parser.error(f"--cases: one of {', '.join(CASES)} each, quiet among them")
+    results = {}
+    for case in cases:
+        results.update(CASES[case](args))
     print(f"\n{'case':36s} {'workload':11s} tok/s (x quiet), ITL p50 (x), ITL p99 (x)")
     for case, by_workload in results.items():
         for workload, figures in by_workload.items():
@@ -168,6 +157,44 @@ def _descendants(pid: int) -> list[int]:
     children = Path(f"/proc/{pid}/task/{pid}/children")
     found = [int(c) for c in children.read_text().split()] if children.exists() else []
     return found + [d for c in found for d in _descendants(c)]
+
+
+def _busy(count: int, own_session: bool = False) -> Callable[..., None]:
+    return lambda stack, proc: stack.enter_context(neighbours(count, own_session))
+
+
+def _quota_case(args: argparse.Namespace) -> dict[str, dict[str, dict]]:
+    group = quota_cgroup()
+    if group is None:
+        label = "taskset onto 1 core"
+        return {label: run_case(args, "taskset", prefix=["taskset", "-c", "0"])}
+    path, version = group
+
+    def join(stack: ExitStack, proc: subprocess.Popen[bytes]) -> None:
+        for pid in [proc.pid, *_descendants(proc.pid)]:
+            (path / "cgroup.procs").write_text(str(pid))
+
+    try:
+        return {f"{QUOTA_CPUS} CPU quota (cgroup {version})": run_case(args, "quota", setup=join)}
+    finally:
+        path.rmdir()  # empty again: the server has exited
+
+
+CASES: dict[str, Callable[[argparse.Namespace], dict[str, dict[str, dict]]]] = {
+    "quiet": lambda a: {"quiet": run_case(a, "quiet")},
+    "neighbour": lambda a: {
+        "1 neighbour, same session": run_case(a, "1 neighbour", setup=_busy(1))
+    },
+    "neighbours": lambda a: {
+        "2 neighbours, same session": run_case(a, "2 neighbours", setup=_busy(2))
+    },
+    "own-session": lambda a: {
+        "server's own session, 1 neighbour": run_case(
+            a, "own session + 1 neighbour", own_session=True, setup=_busy(1)
+        )
+    },
+    "quota": _quota_case,
+}
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineArgs, EngineHooks
+from engine.cpu_share import ThreadTimes, own_cgroup_cpu_dir, read_throttling
 from engine.errors import EngineClosedError, EngineDeadError, RequestValidationError
 from engine.introspection import (
     BlockCounts,
@@ -77,9 +78,12 @@ __all__ = [
     "SchedulerStats",
     "StatsListener",
     "StructuredOutputsParams",
+    "ThreadTimes",
     "check_cpu_kernels",
     "describe_setup",
+    "own_cgroup_cpu_dir",
     "prepare_default_model",
+    "read_throttling",
     "start_core",
 ]
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import pickle
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -245,6 +246,11 @@ class AsyncLLM:
         if self._remote is not None:
             return self._remote.failure
         return self._core().failure()
+
+    @property
+    def engine_pid(self) -> int:
+        """The process whose threads run the steps: the core's, or this one."""
+        return self._remote.pid if self._remote is not None else os.getpid()
 
     @property
     def has_pending_work(self) -> bool:

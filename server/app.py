@@ -112,6 +112,7 @@ def create_app(
             log_requests=settings.log_requests,
             tenant_metrics=settings.tenant_metrics,
             engine_stats=frontend_index in (None, 0),
+            engine_pid=loaded.engine_pid,
         )
         cache, scheduler = loaded.config.cache, loaded.config.scheduler
         metrics.set_cache_config(cache.block_size, cache.num_blocks, cache.enable_prefix_caching)

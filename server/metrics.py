@@ -12,6 +12,7 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
 
 from engine import FinishedRequestStats, IterationStats, SchedulerStats
+from server.cpu_metrics import EngineCpuCollector
 
 request_logger = logging.getLogger("pagedserve.requests")
 
@@ -37,9 +38,12 @@ class ServerMetrics:
         log_requests: bool = True,
         tenant_metrics: bool = False,
         engine_stats: bool = True,
+        engine_pid: int | None = None,
     ) -> None:
         """`engine_stats`: this process publishes the engine's gauges and counters (with
-        several frontends, only frontend 0 does, so that they count once)."""
+        several frontends, only frontend 0 does, so that they count once). `engine_pid`:
+        the process that steps the engine, whose CPU waits are read at each scrape
+        (server.cpu_metrics)."""
         # vLLM exposes no `_created` series; neither do we (a prometheus_client switch).
         prometheus_client.disable_created_metrics()
         self.registry = registry or CollectorRegistry()
@@ -78,6 +82,9 @@ class ServerMetrics:
             "reason",
         )
         self.tenants = TenantCounters(self.registry, model_name) if tenant_metrics else None
+        self.cpu = None if engine_pid is None else EngineCpuCollector(engine_pid, model_name)
+        if self.cpu is not None:
+            self.registry.register(self.cpu)
         self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = hist("vllm:inter_token_latency_seconds", "Time between tokens.", ITL_BUCKETS)
         self.e2e = hist("vllm:e2e_request_latency_seconds", "Request latency.", E2E_BUCKETS)
@@ -188,6 +195,8 @@ class ServerMetrics:
             return prometheus_client.generate_latest(self.registry)
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
+        if self.cpu is not None:
+            registry.register(self.cpu)  # read here, by whichever frontend is scraped
         return prometheus_client.generate_latest(registry)
 
     def count_error(self, status: int) -> None:

@@ -90,6 +90,11 @@ def test_serves_the_sdk_as_the_in_process_engine_does(
         assert finished == 6 * 2 + 1
         assert metric(server.url, "vllm:num_requests_running") == 0
         assert metric(server.url, "vllm:kv_cache_usage_perc") == 0
+        # The CPU series read the core's threads (the kernel's count for the whole core
+        # process also holds threads that ended before the first scrape).
+        core_cpu = cpu_seconds(core_pid(server))
+        engine_cpu = metric(server.url, "pagedserve:engine_cpu_seconds_total")
+        assert 0.8 * core_cpu - 0.1 <= engine_cpu <= core_cpu + 0.05, (engine_cpu, core_cpu)
 
 
 def test_an_idle_core_sleeps(tiny_model_dir: Path) -> None:

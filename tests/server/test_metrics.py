@@ -149,6 +149,18 @@ def test_prefix_cache_hits_rise_with_shared_prefixes(traffic) -> None:
     assert total(text, "vllm:prefix_cache_queries_total") > 0
 
 
+def test_engine_cpu_series_read_the_engines_process(traffic) -> None:
+    """In process, the engine's process is this one: its threads' CPU time is at most what
+    the kernel counts for the whole process."""
+    import os
+
+    text, _, _, _ = traffic
+    cpu = total(text, "pagedserve:engine_cpu_seconds_total")
+    own = os.times()
+    assert 0 < cpu <= own.user + own.system + 0.05
+    assert total(text, "pagedserve:engine_cpu_wait_seconds_total") >= 0
+
+
 def test_promtool_check_metrics_reports_only_vllm_name_lints(traffic) -> None:
     text, _, _, _ = traffic
     promtool = shutil.which("promtool")

@@ -82,17 +82,22 @@ def test_the_async_engine_loads_and_steps_on_one_thread(tmp_path, monkeypatch) -
 
 
 @pytest.mark.parametrize(
-    ("cpu_max", "cap"),
-    [("max 100000\n", None), ("400000 100000\n", 4), ("150000 100000\n", 1),
-     ("20000 100000\n", 1), (None, None), ("garbage\n", None), ("abc 100000\n", None)],
+    ("files", "cap"),
+    [({"cpu.max": "max 100000\n"}, None), ({"cpu.max": "400000 100000\n"}, 4),
+     ({"cpu.max": "150000 100000\n"}, 2), ({"cpu.max": "140000 100000\n"}, 1),
+     ({"cpu.max": "20000 100000\n"}, 1), ({}, None), ({"cpu.max": "garbage\n"}, None),
+     ({"cpu.max": "abc 100000\n"}, None),
+     ({"cpu.cfs_quota_us": "250000\n", "cpu.cfs_period_us": "100000\n"}, 3),
+     ({"cpu.cfs_quota_us": "-1\n", "cpu.cfs_period_us": "100000\n"}, None)],
 )  # fmt: skip
-def test_available_cpus_follows_the_cgroup_quota(tmp_path, cpu_max, cap) -> None:
+def test_available_cpus_follows_the_cgroup_quota_rounded(tmp_path, files, cap) -> None:
     import os
 
     from engine.worker.worker import available_cpus
 
-    path = tmp_path / "cpu.max"
-    if cpu_max is not None:
-        path.write_text(cpu_max)
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    version = "v1" if any(name.startswith("cpu.cfs") for name in files) else "v2"
     affinity = len(os.sched_getaffinity(0))
-    assert available_cpus(path) == (affinity if cap is None else min(affinity, cap))
+    got = available_cpus((tmp_path, version))
+    assert got == (affinity if cap is None else min(affinity, cap))
