@@ -11,7 +11,7 @@ TEST_WORKERS ?= 2
 # `make soak`: seconds of random load (`make test` runs a one-minute soak).
 SOAK_SECONDS ?= 600
 
-.PHONY: install serve test soak lint format clean promtool chromium docs
+.PHONY: install serve test soak lint format clean promtool chromium redis-server docs
 
 # The native CPU kernels are compiled against the venv's torch (setup.py), so the build
 # runs without isolation, after torch and the build tools; editing a kernel source
@@ -51,11 +51,15 @@ endef
 promtool:
 	$(call apt_install,promtool,prometheus)
 
+# The responses store's tests run a real Redis, from Debian's redis-server package.
+redis-server:
+	$(call apt_install,redis-server,redis-server)
+
 # The dashboard test drives headless Chromium, from Debian's chromium package.
 chromium:
 	$(call apt_install,chromium,chromium)
 
-test: install lint promtool chromium
+test: install lint promtool chromium redis-server
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 soak: install

@@ -25,7 +25,7 @@ from engine.introspection import (
     FinishedView,
     RequestView,
 )
-from engine.models.default_model import DEFAULT_MODEL_NAME, prepare_default_model
+from engine.models.default_model import DEFAULT_MODEL_NAME, cache_root, prepare_default_model
 from engine.outputs import (
     CompletionOutput,
     FinishedRequestStats,
@@ -79,6 +79,7 @@ __all__ = [
     "StatsListener",
     "StructuredOutputsParams",
     "ThreadTimes",
+    "cache_root",
     "check_cpu_kernels",
     "describe_setup",
     "own_cgroup_cpu_dir",

@@ -20,7 +20,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine import AsyncLLM
-from server import reasoning, tool_parsers
+from server import reasoning, responses, tool_parsers
 from server.admission import Admission, QueueLimits
 from server.body import parse_body
 from server.chat import create_chat_completion, render_chat
@@ -172,6 +172,7 @@ def create_app(
                 logger.warning("the engine's step did not finish; exiting without it")
             state.serving.close()
             gc.unfreeze()
+        await state.responses.close()
 
     app = FastAPI(title="pagedserve", version=package_version(), lifespan=lifespan)
     app.state.gateway = state
@@ -240,6 +241,8 @@ def _add_routes(app: FastAPI, state: AppState) -> None:
             raise OpenAIError(
                 404, f"The model `{model}` does not exist.", "model", code="model_not_found"
             )
+
+    responses.add_routes(app, state.responses, serving, check_model)
 
     @app.post("/v1/completions", **route_docs(CompletionRequest, CompletionResponse, True))
     async def completions(request: Request) -> Any:

@@ -21,6 +21,7 @@ from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     TokenizeRequest,
 )
 
@@ -30,6 +31,7 @@ REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     ChatCompletionRequest,
     TokenizeRequest,
     DetokenizeRequest,
+    ResponsesRequest,
 )
 
 
@@ -123,6 +125,33 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+
+
+class ResponseObject(BaseModel):
+    """A response of /v1/responses (its output items are OpenAI's)."""
+
+    id: str
+    object: str
+    created_at: int
+    status: str
+    model: str
+    output: list[dict[str, Any]]
+    usage: dict[str, Any] | None
+    error: dict[str, Any] | None
+
+
+class ResponseDeleted(BaseModel):
+    id: str
+    object: str
+    deleted: bool
+
+
+class ResponseItemList(BaseModel):
+    object: str
+    data: list[dict[str, Any]]
+    has_more: bool
+    first_id: str | None
+    last_id: str | None
 
 
 class TokenizeResponse(BaseModel):

@@ -171,3 +171,61 @@ class TokenizeRequest(_Strict):
 class DetokenizeRequest(_Strict):
     model: str | None = None
     tokens: list[int]
+
+
+class ResponsesRequest(_Strict):
+    """POST /v1/responses: server/responses.py reads the items and turns them into a chat
+    request, which checks the rest."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+    background: bool | None = None
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    user: str | None = None
+    safety_identifier: str | None = None
+    truncation: str | None = None
+    include: list[str] | None = None
+    service_tier: str | None = None
+    # Known fields that this server does not implement: rejected unless default.
+    top_logprobs: int | None = None
+    max_tool_calls: int | None = None
+    prompt: dict[str, Any] | None = None
+    conversation: str | dict[str, Any] | None = None
+    prompt_cache_key: str | None = None
+    stream_options: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _reject_unsupported(self) -> ResponsesRequest:
+        _unsupported(
+            self,
+            {
+                "truncation": ("disabled",),
+                "include": ([],),
+                "service_tier": ("auto", "default"),
+                "top_logprobs": (0,),
+                "max_tool_calls": (),
+                "prompt": (),
+                "conversation": (),
+                "prompt_cache_key": (),
+                "stream_options": (),
+            },
+        )
+        if self.background and self.store is False:
+            raise OpenAIError(400, "background responses must be stored (store: true)", "store")
+        if self.background and self.stream:
+            raise OpenAIError(400, "streaming a background response is not supported", "stream")
+        if isinstance(self.input, list) and not self.input and not self.previous_response_id:
+            raise OpenAIError(400, "input is empty", "input")
+        return self

@@ -8,7 +8,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from engine import cache_root
 from server.chat_template import load_chat_template
+from server.responses import Responses
 from server.serving import ServingContext
 from server.tenants import KeyRing, TenantConcurrency
 
@@ -103,6 +105,17 @@ class ServerSettings(BaseModel):
     disable_dashboard: bool = Field(
         default=False, description="turn off the live engine view, /dashboard and its events"
     )
+    responses_store: str = Field(
+        default="sqlite",
+        description="where /v1/responses keeps stored responses: sqlite (responses.db in the "
+        "cache directory), sqlite:PATH, or a redis:// or rediss:// URL that replicas share",
+    )
+    responses_ttl: float = Field(
+        default=30 * 24 * 3600.0,
+        gt=0,
+        description="seconds a stored response is kept after it was last written (default: "
+        "30 days)",
+    )
     api_server_count: int = Field(
         default=1,
         ge=1,
@@ -110,6 +123,13 @@ class ServerSettings(BaseModel):
         description="HTTP frontend processes sharing the port (SO_REUSEPORT) over one engine "
         "core process; /metrics sums them (needs the engine core in its own process)",
     )
+
+    @field_validator("responses_store")
+    @classmethod
+    def _store_spec(cls, value: str) -> str:
+        if value == "sqlite" or value.startswith(("sqlite:", "redis://", "rediss://")):
+            return value
+        raise ValueError("give sqlite, sqlite:PATH, or a redis:// or rediss:// URL")
 
     @field_validator("chat_template")
     @classmethod
@@ -133,6 +153,7 @@ class AppState:
         # Raises ValueError or OSError for a bad --api-keys-file.
         self.keys = KeyRing.load(settings.api_key, settings.api_keys_file)
         self.tenant_concurrency = TenantConcurrency(settings.max_concurrent_requests_per_tenant)
+        self.responses = Responses(settings.responses_store, settings.responses_ttl, cache_root())
         self.phase = Phase.LOADING
         # Set once the model is loaded: the engine and what the endpoints need beside it.
         self.serving: ServingContext | None = None

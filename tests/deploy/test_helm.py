@@ -281,6 +281,11 @@ def test_schema_error_names_the_offending_key() -> None:
         ({"keda": {"enabled": True}}, "serverAddress"),
         ({"model": {"source": "hostPath"}}, "hostPath.path"),
         ({"model": {"source": "image", "path": "relative/dir"}}, "absolute"),
+        (
+            {"responses": {"persistence": {"enabled": True}, "redis": {"existingSecret": "r"}}},
+            "enable one",
+        ),
+        ({"responses": {"persistence": {"enabled": True}}, "replicaCount": 2}, "responses.redis"),
     ],
 )
 def test_template_rejects_contradictory_values(values: dict[str, Any], message: str) -> None:
@@ -367,6 +372,7 @@ SERVER_FLAGS = {
     "tensorParallelSize": ("PAGEDSERVE_TENSOR_PARALLEL_SIZE", 2, "2"),
     "tenantMetrics": ("PAGEDSERVE_TENANT_METRICS", True, "true"),
     "logRequests": ("PAGEDSERVE_LOG_REQUESTS", False, "false"),
+    "responsesTtl": ("PAGEDSERVE_RESPONSES_TTL", 86400, "86400"),
     "disableDashboard": ("PAGEDSERVE_DISABLE_DASHBOARD", True, "true"),
     "logLevel": ("PAGEDSERVE_LOG_LEVEL", "debug", "debug"),
     "logFormat": ("PAGEDSERVE_LOG_FORMAT", "text", "text"),
@@ -459,6 +465,39 @@ def test_no_api_key_by_default() -> None:
     assert "Secret" not in kinds(manifests)
     env = env_of(server_container(manifests))
     assert "PAGEDSERVE_API_KEY" not in env and "PAGEDSERVE_API_KEYS_FILE" not in env
+
+
+def test_responses_stored_on_a_created_claim(monkeypatch: pytest.MonkeyPatch) -> None:
+    from server.cli import build_parser, configs_from_args
+
+    manifests = render(
+        {"responses": {"persistence": {"enabled": True}}, "server": {"responsesTtl": 3600}}
+    )
+    claim = the(manifests, "PersistentVolumeClaim")
+    pod = the(manifests, "Deployment")["spec"]["template"]["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "responses")
+    assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    container = server_container(manifests)
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "responses")
+    assert mount == {"name": "responses", "mountPath": "/var/lib/pagedserve"}
+    env = env_of(container)
+    assert env["PAGEDSERVE_RESPONSES_STORE"] == "sqlite:/var/lib/pagedserve/responses.db"
+    for name in ("PAGEDSERVE_RESPONSES_STORE", "PAGEDSERVE_RESPONSES_TTL"):
+        monkeypatch.setenv(name, env[name])  # as the pod's environment sets them
+    settings, _ = configs_from_args(build_parser().parse_args(["serve"]))
+    assert settings.responses_store == "sqlite:/var/lib/pagedserve/responses.db"
+    assert settings.responses_ttl == 3600
+
+
+def test_responses_shared_in_redis_from_a_secret() -> None:
+    manifests = render({"responses": {"redis": {"existingSecret": "redis-url"}}, "replicaCount": 3})
+    ref = env_of(server_container(manifests))["PAGEDSERVE_RESPONSES_STORE"]["secretKeyRef"]
+    assert ref == {"name": "redis-url", "key": "url"}
+    assert "PersistentVolumeClaim" not in kinds(manifests)
+
+
+def test_responses_in_the_pods_cache_by_default() -> None:
+    assert "PAGEDSERVE_RESPONSES_STORE" not in env_of(server_container(render()))
 
 
 def model_volume(manifests: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -123,6 +123,13 @@ The user cache directory in the image (HOME is /home/pagedserve in the Dockerfil
 {{- end }}
 
 {{/*
+The responses store's claim: the given one, or the chart's.
+*/}}
+{{- define "pagedserve.responsesClaimName" -}}
+{{- .Values.responses.persistence.existingClaim | default (printf "%s-responses" (include "pagedserve.fullname" .)) }}
+{{- end }}
+
+{{/*
 Combinations the schema cannot express.
 */}}
 {{- define "pagedserve.validate" -}}
@@ -140,6 +147,12 @@ Combinations the schema cannot express.
 {{- end }}
 {{- if and .Values.inferencePool.httpRoute.enabled (not .Values.inferencePool.enabled) }}
 {{- fail "inferencePool.httpRoute.enabled needs inferencePool.enabled: the route's backend is the InferencePool" }}
+{{- end }}
+{{- if and .Values.responses.persistence.enabled .Values.responses.redis.existingSecret }}
+{{- fail "responses.persistence and responses.redis are two stores: enable one" }}
+{{- end }}
+{{- if and .Values.responses.persistence.enabled (or (gt (int .Values.replicaCount) 1) .Values.autoscaling.enabled .Values.keda.enabled) }}
+{{- fail "responses.persistence keeps SQLite on one claim, for one replica: more replicas share responses.redis" }}
 {{- end }}
 {{- $tp := int (.Values.server.tensorParallelSize | default 1) }}
 {{- if and (gt (int .Values.gpu.count) 1) (gt $tp 1) (ne (int .Values.gpu.count) $tp) }}
