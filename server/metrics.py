@@ -30,6 +30,24 @@ FINISH_REASONS = ("stop", "length", "abort")
 REJECTION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens", "tenant_concurrency")
 
 
+# The /v1 routes, as `pagedserve:api_requests_total` names them; other paths are "other".
+API_ROUTES = frozenset(
+    {"/v1/completions", "/v1/chat/completions", "/v1/completions/render",
+     "/v1/chat/completions/render", "/v1/embeddings", "/v1/responses", "/v1/models"}
+)  # fmt: skip
+_RESPONSE_ROUTES = ("cancel", "input_items")
+
+
+def api_endpoint(method: str, path: str) -> str:
+    """`POST /v1/responses`, `GET /v1/responses/{id}`, ...: a bounded set of label values."""
+    if path.startswith("/v1/responses/"):
+        _, _, tail = path.removeprefix("/v1/responses/").partition("/")
+        path = "/v1/responses/{id}" + (f"/{tail}" if tail in _RESPONSE_ROUTES else "")
+    elif path not in API_ROUTES:
+        path = "other"
+    return f"{method} {path}"
+
+
 class ServerMetrics:
     def __init__(
         self,
@@ -75,6 +93,12 @@ class ServerMetrics:
         )
         self.errors = counter(
             "pagedserve:request_errors", "HTTP requests answered with an error status.", "code"
+        )
+        self.api_requests = Counter(
+            "pagedserve:api_requests",
+            "OpenAI API requests answered, by endpoint (method and route) and status code.",
+            ["model_name", "endpoint", "code"],
+            registry=self.registry,
         )
         self.rejected = counter(
             "pagedserve:requests_rejected",
@@ -198,6 +222,10 @@ class ServerMetrics:
         if self.cpu is not None:
             registry.register(self.cpu)  # read here, by whichever frontend is scraped
         return prometheus_client.generate_latest(registry)
+
+    def count_api_request(self, method: str, path: str, status: int) -> None:
+        """An answered request under /v1/ (the route, not the path: one series per route)."""
+        self.api_requests.labels(self.model_name, api_endpoint(method, path), str(status)).inc()
 
     def count_error(self, status: int) -> None:
         self.errors.labels(self.model_name, str(status)).inc()

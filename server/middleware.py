@@ -33,18 +33,23 @@ class BodyTooLarge(Exception):
 class _Reply:
     """The ASGI `send` of one exchange: adds X-Request-Id, counts error statuses."""
 
-    def __init__(self, send: Send, request_id: str, state: AppState) -> None:
+    def __init__(self, send: Send, request_id: str, state: AppState, scope: Scope) -> None:
         self._send = send
         self._request_id = request_id.encode()
         self._state = state
+        self._scope = scope
         self.started = False
 
     async def __call__(self, message: Message) -> None:
         if message["type"] == "http.response.start":
             self.started = True
             message["headers"] = [*message.get("headers", []), (b"x-request-id", self._request_id)]
-            if message["status"] >= 400 and self._state.serving is not None:
-                self._state.serving.metrics.count_error(message["status"])
+            serving = self._state.serving
+            if serving is not None and self._scope["path"].startswith("/v1/"):
+                method, path = self._scope["method"], self._scope["path"]
+                serving.metrics.count_api_request(method, path, message["status"])
+            if message["status"] >= 400 and serving is not None:
+                serving.metrics.count_error(message["status"])
         await self._send(message)
 
 
@@ -63,7 +68,7 @@ class GatewayMiddleware:
             request_id = uuid.uuid4().hex
         tenant = self.state.keys.tenant(_authorization(scope["path"], headers))
         scope.setdefault("state", {}).update(request_id=request_id, tenant=tenant)
-        reply = _Reply(send, request_id, self.state)
+        reply = _Reply(send, request_id, self.state, scope)
         tracked = scope["path"].startswith("/v1/") and scope["method"] == "POST"
         rejection = self._reject(scope["path"], scope["method"], headers, tenant)
         if rejection is None and tracked and not self.state.tenant_concurrency.try_acquire(tenant):

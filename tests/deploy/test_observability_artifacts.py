@@ -47,6 +47,7 @@ EXPOSED_COUNTERS = frozenset(
         "vllm:request_success_total",
         "pagedserve:request_errors_total",
         "pagedserve:requests_rejected_total",
+        "pagedserve:api_requests_total",
         "pagedserve:engine_cpu_seconds_total",
         "pagedserve:engine_cpu_wait_seconds_total",
     }

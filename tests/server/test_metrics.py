@@ -161,6 +161,18 @@ def test_engine_cpu_series_read_the_engines_process(traffic) -> None:
     assert total(text, "pagedserve:engine_cpu_wait_seconds_total") >= 0
 
 
+def test_api_requests_are_counted_by_route_and_status(traffic) -> None:
+    text, _, _, _ = traffic
+    name = "pagedserve:api_requests_total"
+    assert total(text, name, endpoint="POST /v1/completions", code="200") == 6
+    assert total(text, name, endpoint="POST /v1/completions", code="400") == 1
+    assert total(text, name, endpoint="POST /v1/chat/completions", code="200") == 1
+    assert {dict(labels)["endpoint"] for n, labels in samples(text) if n == name} == {
+        "POST /v1/completions",
+        "POST /v1/chat/completions",
+    }
+
+
 def test_promtool_check_metrics_reports_only_vllm_name_lints(traffic) -> None:
     text, _, _, _ = traffic
     promtool = shutil.which("promtool")

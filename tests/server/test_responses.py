@@ -279,9 +279,16 @@ def test_stored_responses_belong_to_their_tenant(server: LiveServer) -> None:
     ):
         with pytest.raises(openai.NotFoundError):
             call()
+    not_found = server.metric(
+        "pagedserve:api_requests_total", endpoint="GET /v1/responses/{id}", code="404"
+    )
     client(server).responses.delete(mine.id)
     with pytest.raises(openai.NotFoundError):
         client(server).responses.retrieve(mine.id)
+    after = server.metric(
+        "pagedserve:api_requests_total", endpoint="GET /v1/responses/{id}", code="404"
+    )
+    assert after == not_found + 1
     unstored = client(server).responses.create(
         input="Hello", max_output_tokens=2, store=False, **GREEDY
     )
