@@ -35,23 +35,23 @@ class ThreadTimes:
             tids = os.listdir(self.tasks)
         except OSError:
             return None
-        now = {}
+        now: dict[str, tuple[int, int]] = {}
         for tid in tids:
             try:
-                cpu, wait, _ = (self.tasks / tid / "schedstat").read_text().split()
-            except (OSError, ValueError):
+                fields = (self.tasks / tid / "schedstat").read_text().split()
+                now[tid] = (int(fields[0]), int(fields[1]))
+            except (OSError, ValueError, IndexError):
                 continue  # exited since the listing, or no schedstat on this kernel
-            now[tid] = (int(cpu), int(wait))
         if not now:
             return None
         gone_cpu, gone_wait = self._gone
-        for tid, (cpu, wait) in self._last.items():
+        for tid, (cpu_ns, wait_ns) in self._last.items():
             if tid not in now:
-                gone_cpu, gone_wait = gone_cpu + cpu, gone_wait + wait
+                gone_cpu, gone_wait = gone_cpu + cpu_ns, gone_wait + wait_ns
         self._gone, self._last = (gone_cpu, gone_wait), now
-        cpu = gone_cpu + sum(c for c, _ in now.values())
-        wait = gone_wait + sum(w for _, w in now.values())
-        return cpu / 1e9, wait / 1e9
+        total_cpu = gone_cpu + sum(c for c, _ in now.values())
+        total_wait = gone_wait + sum(w for _, w in now.values())
+        return total_cpu / 1e9, total_wait / 1e9
 
 
 def own_cgroup_cpu_dir(proc: Path = PROC, root: Path = CGROUP) -> tuple[Path, str] | None:
@@ -111,8 +111,8 @@ def cpu_limit(group: Path, version: str) -> float | None:
     quota or where it cannot be read."""
     try:
         if version == "v2":
-            quota, period = (group / "cpu.max").read_text().split()
-            return None if quota == "max" else int(quota) / int(period)
+            quota_text, period_text = (group / "cpu.max").read_text().split()
+            return None if quota_text == "max" else int(quota_text) / int(period_text)
         quota = int((group / "cpu.cfs_quota_us").read_text())
         period = int((group / "cpu.cfs_period_us").read_text())
     except (OSError, ValueError):
