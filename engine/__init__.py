@@ -33,6 +33,7 @@ from engine.outputs import (
     Logprobs,
     RequestOutput,
 )
+from engine.pooling import PoolingParams
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler.output import SchedulerStats
 from engine.streams import RequestStream
@@ -68,6 +69,7 @@ __all__ = [
     "FinishedView",
     "IterationStats",
     "Logprobs",
+    "PoolingParams",
     "ReasoningBounds",
     "RequestOutput",
     "RequestOutputKind",

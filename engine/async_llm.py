@@ -50,9 +50,10 @@ from engine.core_proc import (
 )
 from engine.errors import EngineClosedError, EngineDeadError, RequestValidationError
 from engine.introspection import EngineMonitor, EngineView
-from engine.output_processor import OutputProcessor
+from engine.output_processor import EMBEDDING_PARAMS, OutputProcessor
 from engine.outputs import IterationStats
-from engine.request import Request
+from engine.pooling import PoolingParams, check_task
+from engine.request import Request, check_prompt_length
 from engine.sampling_params import SamplingParams
 from engine.scheduler.output import SchedulerStats, StepResult
 from engine.streams import OutputCollector, RequestStream
@@ -70,8 +71,9 @@ class _Add:
     params: SamplingParams
     cache_salt: str | None
     prompt: str | None
-    labels: Mapping[str, str]
+    labels: Mapping[str, str] | None
     arrival_time: float = field(default_factory=time.monotonic)
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass(frozen=True)
@@ -282,21 +284,52 @@ class AsyncLLM:
         """Queues the request now; its stream yields the outputs (as `params.output_kind`
         says) until it finishes. Closing the stream early aborts every choice.
 
-        Raises RequestValidationError for a prompt that can never run, EngineDeadError once
-        the loop has failed. An output constraint compiles on the grammar threads while the
-        request waits; one that cannot compile ends its choices with "abort", so a caller that
-        must know first (to answer with a 400) awaits check_constraints() before this.
+        Raises RequestValidationError for a prompt that can never run or on an embedding
+        engine (see encode), EngineDeadError once the loop has failed. An output constraint
+        compiles on the grammar threads while the request waits; one that cannot compile ends
+        its choices with "abort", so a caller that must know first (to answer with a 400)
+        awaits check_constraints() before this.
         """
+        check_task(self.config.model.pooler, None)
+        return self._submit(_Add(request_id, prompt_token_ids, params, cache_salt, prompt, labels))
+
+    def encode(
+        self,
+        prompt_token_ids: list[int],
+        params: PoolingParams,
+        request_id: str,
+        *,
+        cache_salt: str | None = None,
+        labels: Mapping[str, str] | None = None,
+    ) -> RequestStream:
+        """An embedding engine's generate(): queues a prefill-only request now; its stream
+        yields one RequestOutput, whose `embedding` is the prompt's. Raises as generate()
+        does, and RequestValidationError on an engine that does not embed, or for
+        `dimensions` the model cannot give."""
+        check_task(self.config.model.pooler, params)
+        return self._submit(
+            _Add(
+                request_id,
+                prompt_token_ids,
+                EMBEDDING_PARAMS,
+                cache_salt,
+                None,
+                labels,
+                pooling_params=params,
+            )
+        )
+
+    def _submit(self, add: _Add) -> RequestStream:
         if self.error is not None:
             raise EngineDeadError(f"the engine loop has failed: {self.error!r}")
         if self._closed_reason is not None:
             raise EngineClosedError(self._closed_reason)
-        self._validate(prompt_token_ids)
+        self._validate(add.prompt_token_ids, add.pooling_params is not None)
+        request_id = add.request_id
         if request_id in self._collectors:
             raise ValueError(f"duplicate request id {request_id!r}")
-        collector = OutputCollector(params.output_kind)
+        collector = OutputCollector(add.params.output_kind)
         self._collectors[request_id] = collector
-        add = _Add(request_id, prompt_token_ids, params, cache_salt, prompt, labels or {})
         self._post(add)
         self._count(self._inbox_load, add, +1)
 
@@ -365,16 +398,11 @@ class AsyncLLM:
         self._inbox.put_nowait(message)
         self._handover = True
 
-    def _validate(self, prompt_token_ids: list[int]) -> None:
-        max_model_len = self.config.scheduler.max_model_len
+    def _validate(self, prompt_token_ids: list[int], pooling: bool) -> None:
         if not prompt_token_ids:
-            raise RequestValidationError("the prompt is empty", "prompt")
-        if len(prompt_token_ids) >= max_model_len:
-            raise RequestValidationError(
-                f"the prompt has {len(prompt_token_ids)} tokens; max_model_len is "
-                f"{max_model_len}, which leaves no room to generate",
-                "prompt",
-            )
+            raise RequestValidationError("the prompt is empty", "input" if pooling else "prompt")
+        max_model_len = self.config.scheduler.max_model_len
+        check_prompt_length(len(prompt_token_ids), max_model_len, pooling)
 
     # ---- the loop ------------------------------------------------------------------
 
@@ -568,6 +596,7 @@ class AsyncLLM:
             message.prompt,
             message.labels,
             message.arrival_time,
+            message.pooling_params,
         )
 
     def _abort_choices(self, request_id: str) -> list[str]:

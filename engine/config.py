@@ -19,6 +19,7 @@ from engine.models.hf_config import (
     load_hf_config,
     resolve_model_path,
 )
+from engine.pooling import TASKS, PoolerConfig, read_pooler_config, resolve_task
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
@@ -43,6 +44,14 @@ class EngineArgs:
         "local Hugging Face model directory or .gguf file (default: the bundled "
         "SmolLM2-135M-Instruct)",
         positional=True,
+    )
+    task: str = _arg(
+        "generate",
+        "what the model serves: generate (completions, chat) or embed (/v1/embeddings: the "
+        "final hidden state of a prompt's last token, L2-normalised, as Qwen3-Embedding pools; "
+        "a sentence-transformers directory's modules.json and 1_Pooling/config.json must say "
+        "the same); auto is embed when the directory has a modules.json",
+        choices=TASKS,
     )
     dtype: str = _arg("auto", "weights and KV cache dtype", choices=DTYPES)
     device: str = _arg("auto", "auto, cpu or cuda")
@@ -129,10 +138,17 @@ class ModelConfig:
     max_model_len: int
     # A GGUF file holding the weights: the model file itself, or the one in the directory.
     gguf: Path | None = None
+    # Set when the engine serves embeddings (--task embed): how it pools.
+    pooler: PoolerConfig | None = None
 
     @property
     def name(self) -> str:
         return self.path.name
+
+    @property
+    def task(self) -> str:
+        """What the engine serves (--task, resolved): embed or generate."""
+        return "generate" if self.pooler is None else "embed"
 
     @property
     def weights(self) -> Path:
@@ -267,8 +283,9 @@ class EngineConfig:
         """One line for the startup log: the model, facts() and the limits."""
         c, s = self.cache, self.scheduler
         facts = ", ".join(f"{name} {value}" for name, value in self.facts())
+        task = " (embeddings)" if self.model.pooler is not None else ""
         return (
-            f"{self.model.name}: {facts}, {c.num_blocks} KV blocks of {c.block_size} tokens, "
+            f"{self.model.name}{task}: {facts}, {c.num_blocks} KV blocks of {c.block_size} tokens, "
             f"max_model_len {s.max_model_len}, step budget {s.max_num_batched_tokens} tokens"
         )
 
@@ -291,7 +308,13 @@ def resolve_model_config(args: EngineArgs) -> ModelConfig:
     hf_config = load_hf_config(folder, gguf_file)
     arch = ModelArch.from_hf_config(hf_config, eos_token_ids(folder, hf_config))
     max_model_len = _max_model_len(args.max_model_len, arch)
-    return ModelConfig(folder, gguf_file, arch, max_model_len, find_gguf_weights(folder, gguf_file))
+    pooler = None
+    if resolve_task(args.task, folder) == "embed":
+        if args.tensor_parallel_size > 1:
+            raise ValueError("--task embed runs on one process: use --tensor-parallel-size 1")
+        pooler = read_pooler_config(folder, hf_config, arch.hidden_size)
+    gguf = find_gguf_weights(folder, gguf_file)
+    return ModelConfig(folder, gguf_file, arch, max_model_len, gguf, pooler)
 
 
 def resolve_quant_config(args: EngineArgs, model: ModelConfig, device_type: str) -> QuantConfig:

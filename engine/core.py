@@ -26,6 +26,7 @@ from engine.errors import RequestValidationError
 from engine.introspection import CoreState, core_state
 from engine.kv_cache import KVCacheManager
 from engine.kv_events import KVEventsConfig
+from engine.pooling import check_task
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler, SchedulerStats, StepResult
 from engine.structured_output import StructuredOutputManager
@@ -112,6 +113,7 @@ class EngineCore:
         a request that can never run."""
         if request.sampling_params.n != 1:
             raise ValueError("EngineCore takes n=1 requests; fan out with SamplingParams.for_child")
+        check_task(self.config.model.pooler, request.pooling_params)
         constraint = request.sampling_params.structured_outputs
         if constraint is not None:
             if self.grammars is None:

@@ -53,6 +53,7 @@ import zmq
 
 from engine.config import EngineArgs, EngineConfig, EngineHooks
 from engine.errors import RequestValidationError
+from engine.pooling import PoolingParams
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler.output import StepResult
@@ -82,6 +83,7 @@ class CoreRequest(msgspec.Struct, array_like=True, frozen=True):
     eos_token_ids: tuple[int, ...]
     cache_salt: str | None
     arrival_time: float  # time.monotonic(): one clock for every process on the host
+    pooling_params: PoolingParams | None = None
 
     @classmethod
     def of(cls, request: Request) -> CoreRequest:
@@ -92,6 +94,7 @@ class CoreRequest(msgspec.Struct, array_like=True, frozen=True):
             request.eos_token_ids,
             request.cache_salt,
             request.arrival_time,
+            request.pooling_params,
         )
 
     def to_request(self) -> Request:
@@ -102,6 +105,7 @@ class CoreRequest(msgspec.Struct, array_like=True, frozen=True):
             self.eos_token_ids,
             self.cache_salt,
             arrival_time=self.arrival_time,
+            pooling_params=self.pooling_params,
         )
 
 

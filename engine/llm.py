@@ -14,8 +14,9 @@ from tqdm import tqdm
 
 from engine.config import EngineArgs, EngineHooks
 from engine.core import EngineCore
-from engine.output_processor import OutputProcessor
+from engine.output_processor import EMBEDDING_PARAMS, OutputProcessor
 from engine.outputs import RequestOutput
+from engine.pooling import PoolingParams
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int]
@@ -44,19 +45,43 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
         self._compile_constraints(params_list)
-        order = []
-        for prompt, params in zip(prompt_list, params_list, strict=True):
-            request_id = str(self._next_id)
-            self._next_id += 1
-            ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
-            final_only = replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
-            text = prompt if isinstance(prompt, str) else None
-            for request in self._processor.add_request(request_id, ids, final_only, prompt=text):
-                self.core.add_request(request)
-            order.append(request_id)
+        order = [
+            self._add(prompt, replace(params, output_kind=RequestOutputKind.FINAL_ONLY))
+            for prompt, params in zip(prompt_list, params_list, strict=True)
+        ]
+        return self._run(order, "Generating", use_tqdm)
 
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """An embedding engine's generate (--task embed): each output's `embedding` is its
+        prompt's, in input order."""
+        params = pooling_params or PoolingParams()
+        order = [self._add(p, EMBEDDING_PARAMS, params) for p in _as_prompt_list(prompts)]
+        return self._run(order, "Embedding", use_tqdm)
+
+    def _add(
+        self, prompt: Prompt, params: SamplingParams, pooling: PoolingParams | None = None
+    ) -> str:
+        """Queues one prompt's engine requests; returns its request id."""
+        request_id = str(self._next_id)
+        self._next_id += 1
+        ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+        text = prompt if isinstance(prompt, str) else None
+        requests = self._processor.add_request(
+            request_id, ids, params, prompt=text, pooling_params=pooling
+        )
+        for request in requests:
+            self.core.add_request(request)
+        return request_id
+
+    def _run(self, order: list[str], desc: str, use_tqdm: bool) -> list[RequestOutput]:
+        """Steps until every request has finished; their outputs in `order`."""
         results: dict[str, RequestOutput] = {}
-        with tqdm(total=len(order), desc="Generating", disable=not use_tqdm) as progress:
+        with tqdm(total=len(order), desc=desc, disable=not use_tqdm) as progress:
             while self.core.has_unfinished_requests():
                 processed = self._processor.process_outputs(self.core.step().outputs)
                 self.core.abort_requests(processed.aborts)

@@ -21,9 +21,14 @@ from engine.outputs import (
     Logprobs,
     RequestOutput,
 )
+from engine.pooling import PoolingParams
 from engine.request import Request
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler.output import EngineCoreOutput
+
+# The sampling params of an embedding request's one choice: reported once, when it ends.
+# It samples nothing; the scheduler ends it with its embedding after its prefill.
+EMBEDDING_PARAMS = SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 @dataclass
@@ -40,6 +45,7 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    embedding: list[float] | None = None
     last_token_time: float | None = None
     first_token_time: float | None = None
     # DELTA bookkeeping: tokens already handed out.
@@ -115,11 +121,13 @@ class OutputProcessor:
         prompt: str | None = None,
         labels: Mapping[str, str] | None = None,
         arrival_time: float | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> list[Request]:
         """Starts tracking a caller's request; returns its n engine requests to schedule.
 
         Choice i runs as engine request f"{request_id}-{i}" (unique as long as caller ids
-        are: the suffix after the last dash is the choice)."""
+        are: the suffix after the last dash is the choice). With `pooling_params`, an
+        embedding request: its one choice ends with the embedding (see EMBEDDING_PARAMS)."""
         if request_id in self._prompts:
             raise ValueError(f"duplicate request id {request_id!r}")
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -140,6 +148,7 @@ class OutputProcessor:
                     self.eos_token_ids,
                     cache_salt,
                     arrival_time=arrival,
+                    pooling_params=pooling_params,
                 )
             )
         self._prompts[request_id] = parent
@@ -202,6 +211,10 @@ class OutputProcessor:
             self._observe_latency(parent, choice, out, now, stats)
             if parent.prompt_logprobs is None and parent.params.prompt_logprobs is not None:
                 parent.prompt_logprobs = choice.prompt_logprobs
+        elif out.embedding is not None:  # no token, so no latency but the queue's
+            choice.embedding = out.embedding
+            if out.queue_time is not None:
+                stats.queue_times.append(out.queue_time)
         stopped = False
         for i, token_id in enumerate(out.new_token_ids):
             choice.token_ids.append(token_id)
@@ -248,6 +261,7 @@ class OutputProcessor:
             num_cached_tokens=parent.choices[0].num_cached_tokens,
             prompt_logprobs=prompt_logprobs,
             prompt=parent.prompt,
+            embedding=parent.choices[0].embedding,
         )
 
     @staticmethod

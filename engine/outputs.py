@@ -56,6 +56,8 @@ class RequestOutput:
     # first output that carries a token.
     prompt_logprobs: list[Logprobs] | None = None
     prompt: str | None = None
+    # An embedding request's result (its one choice then ends "stop" with no tokens).
+    embedding: list[float] | None = None
 
     def merge(self, later: RequestOutput) -> None:
         """Folds a later DELTA output of the same request into this one."""

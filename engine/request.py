@@ -6,7 +6,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from engine.errors import RequestValidationError
 from engine.kv_cache.block import BlockHash
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.structured_output.request import StructuredOutputRequest
 
@@ -46,6 +48,10 @@ class Request:
     whose KV is in the cache) towards `num_tokens`. `block_hashes` holds the chained hash
     of every full block of `all_token_ids`, extended by the KV cache manager. `structured`
     carries the grammar state of a constrained request.
+
+    A request with `pooling_params` (an embedding engine's) is prefill-only: it samples
+    nothing and ends once its prompt is computed, with its embedding; its sampling_params
+    (EMBEDDING_PARAMS) only tell the frontend to report it once, at its end.
     """
 
     request_id: str
@@ -68,6 +74,7 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list)
     # Set by the engine core when the request has an output constraint.
     structured: StructuredOutputRequest | None = None
+    pooling_params: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -93,3 +100,18 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+
+def check_prompt_length(num_tokens: int, max_model_len: int, pooling: bool) -> None:
+    """Raises RequestValidationError for a prompt that could never run: a generation needs
+    room for one token after its prompt, an embedding's prompt may fill max_model_len."""
+    if pooling and num_tokens > max_model_len:
+        raise RequestValidationError(
+            f"the input has {num_tokens} tokens; max_model_len is {max_model_len}", "input"
+        )
+    if not pooling and num_tokens >= max_model_len:
+        raise RequestValidationError(
+            f"the prompt has {num_tokens} tokens; max_model_len is {max_model_len}, which "
+            "leaves no room to generate",
+            "prompt",
+        )

@@ -27,6 +27,7 @@ from server.chat import create_chat_completion, render_chat
 from server.completions import create_completion, prompt_batch
 from server.dashboard import add_dashboard_routes
 from server.disconnect import CLIENT_CLOSED_REQUEST, ClientDisconnected, cancel_on_disconnect
+from server.embeddings import create_embedding
 from server.errors import OpenAIError, error_body
 from server.metrics import ServerMetrics
 from server.middleware import GatewayMiddleware
@@ -34,6 +35,7 @@ from server.openapi import (
     ChatCompletionResponse,
     CompletionResponse,
     DetokenizeResponse,
+    EmbeddingResponse,
     ModelList,
     ProbeResponse,
     RenderedPrompt,
@@ -48,6 +50,7 @@ from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
 )
 from server.render import render_chat_completion, render_completion
@@ -249,6 +252,7 @@ def _add_routes(app: FastAPI, state: AppState) -> None:
         ctx = serving()
         body = await parse(request, CompletionRequest)
         check_model(ctx, body.model)
+        ctx.require_task("generate")
         caller = admit(request, ctx, len(prompt_batch(body.prompt)) * (body.n or 1))
         return await respond(request, create_completion(ctx, body, caller))
 
@@ -259,8 +263,18 @@ def _add_routes(app: FastAPI, state: AppState) -> None:
         ctx = serving()
         body = await parse(request, ChatCompletionRequest)
         check_model(ctx, body.model)
+        ctx.require_task("generate")
         caller = admit(request, ctx, body.n or 1)
         return await respond(request, create_chat_completion(ctx, body, caller))
+
+    @app.post("/v1/embeddings", **route_docs(EmbeddingRequest, EmbeddingResponse))
+    async def embeddings(request: Request) -> Any:
+        ctx = serving()
+        body = await parse(request, EmbeddingRequest)
+        check_model(ctx, body.model)
+        ctx.require_task("embed")
+        caller = admit(request, ctx, len(prompt_batch(body.input, "input")))
+        return await respond(request, create_embedding(ctx, body, caller))
 
     def render_route(path: str, model: type[Body], response: type[BaseModel], render: Any) -> None:
         """vLLM's render endpoints, for llm-d's endpoint picker (server/render.py)."""

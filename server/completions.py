@@ -24,12 +24,15 @@ from server.serving import (
 from server.structured import check_constraint, from_structured_outputs
 
 
-def prompt_batch(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
-    """The prompts of a request: a string, strings, token ids or lists of them."""
+def prompt_batch(
+    prompt: str | list[str] | list[int] | list[list[int]], param: str = "prompt"
+) -> list[str | list[int]]:
+    """The prompts of a request: a string, strings, token ids or lists of them. `param`:
+    the field's name, for errors."""
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
-        raise OpenAIError(400, "prompt must not be empty", "prompt")
+        raise OpenAIError(400, f"{param} must not be empty", param)
     if all(isinstance(p, int) for p in prompt):
         return [prompt]  # type: ignore[list-item]
     return list(prompt)  # type: ignore[arg-type]

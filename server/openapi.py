@@ -21,6 +21,7 @@ from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     ResponsesRequest,
     TokenizeRequest,
 )
@@ -31,6 +32,7 @@ REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     ChatCompletionRequest,
     TokenizeRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     ResponsesRequest,
 )
 
@@ -125,6 +127,25 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+
+
+class Embedding(BaseModel):
+    object: str
+    index: int
+    # encoding_format "base64": the little-endian float32 bytes, base64-encoded.
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: str
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
 
 
 class ResponseObject(BaseModel):

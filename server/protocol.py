@@ -8,7 +8,7 @@ silently converted, and floats must be finite.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -171,6 +171,17 @@ class TokenizeRequest(_Strict):
 class DetokenizeRequest(_Strict):
     model: str | None = None
     tokens: list[int]
+
+
+class EmbeddingRequest(_Strict):
+    """POST /v1/embeddings: `input` is a text, texts, token ids or lists of them."""
+
+    input: str | list[str] | list[int] | list[list[int]]
+    model: str | None = None
+    # Matryoshka truncation, where the model declares it (engine.pooling).
+    dimensions: int | None = Field(default=None, ge=1)
+    encoding_format: Literal["float", "base64"] | None = None
+    user: str | None = None
 
 
 class ResponsesRequest(_Strict):

@@ -796,6 +796,7 @@ def add_routes(
         ctx = serving()
         body = parse_body(await request.body(), ResponsesRequest)
         check_model(ctx, body.model)
+        ctx.require_task("generate")
         if body.background:
             # The work outlives this exchange: its queue room is released by the work.
             caller = Caller(request.state.request_id, ctx.admission.admit(1), tenant(request))

@@ -84,6 +84,22 @@ class ServingContext:
     def vocab_size(self) -> int:
         return self.engine.config.model.arch.vocab_size
 
+    def require_task(self, task: str) -> None:
+        """A 400 unless the engine serves `task`: "generate" or "embed" (--task)."""
+        if self.engine.config.model.task == task:
+            return
+        if task == "embed":
+            message = (
+                f"The model `{self.model_name}` does not serve embeddings: /v1/embeddings "
+                "needs an embedding model served with --task embed."
+            )
+        else:
+            message = (
+                f"The model `{self.model_name}` serves embeddings only (--task embed): use "
+                "/v1/embeddings."
+            )
+        raise OpenAIError(400, message, "model", code="model_not_supported")
+
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
         if text is None:
@@ -152,6 +168,10 @@ def make_runs(prompts: list[list[int]], params: list[SamplingParams]) -> list[Pr
     return runs
 
 
+# submit(index, request id, cache salt, labels) queues one engine request.
+Submit = Callable[[int, str, str | None, dict[str, str]], RequestStream]
+
+
 async def stream_outputs(
     ctx: ServingContext,
     runs: list[PromptRun],
@@ -161,20 +181,36 @@ async def stream_outputs(
 ) -> AsyncIterator[tuple[PromptRun, RequestOutput]]:
     """Runs every prompt as one DELTA engine request and yields their outputs as they come.
     Leaving early (client gone) aborts every prompt still running."""
+
+    def submit(i: int, request_id: str, salt: str | None, labels: dict[str, str]) -> RequestStream:
+        run = runs[i]
+        return ctx.engine.generate(
+            run.prompt_ids, run.params, request_id, cache_salt=salt, labels=labels
+        )
+
+    outputs = engine_outputs(len(runs), submit, caller, cache_salt, user)
+    async with aclosing(outputs):  # leaving early aborts at once, not when collected
+        async for i, output in outputs:
+            yield runs[i], output
+
+
+async def engine_outputs(
+    count: int, submit: Submit, caller: Caller, cache_salt: str | None, user: str | None
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Queues `count` engine requests with `submit` (with the tenant's cache salt and the
+    log labels) and yields (index, output) as outputs come; engine errors become the
+    client's 400, 500 or 503. Leaving early (client gone) aborts every request still
+    running."""
     salt = tenant_cache_salt(caller.tenant, cache_salt)
     labels = {k: v for k, v in (("user", user), ("tenant", caller.tenant)) if v}
     streams: list[RequestStream] = []
     try:
-        for run in runs:
-            request_id = f"{caller.request_id}-{run.index}-{uuid.uuid4().hex[:8]}"
-            streams.append(
-                ctx.engine.generate(
-                    run.prompt_ids, run.params, request_id, cache_salt=salt, labels=labels
-                )
-            )
+        for i in range(count):
+            request_id = f"{caller.request_id}-{i}-{uuid.uuid4().hex[:8]}"
+            streams.append(submit(i, request_id, salt, labels))
         caller.ticket.release()  # the engine counts them as queued now
         async for i, output in _merge(streams):
-            yield runs[i], output
+            yield i, output
     except RequestValidationError as exc:
         raise OpenAIError(400, str(exc), exc.param) from None
     except EngineDeadError as exc:

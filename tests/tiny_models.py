@@ -165,3 +165,27 @@ def make_cycle_model(path: Path, text: str) -> Path:
             model.lm_head.weight[data[(i + 1) % len(data)]] = embed[byte]
     model.save_pretrained(path)
     return path
+
+
+def make_tiny_embedding_model(path: Path, **config: object) -> Path:
+    """A tiny random-weight Qwen3 (byte-level tokenizer) saved as a sentence-transformers
+    model the way Qwen3-Embedding is: the decoder, last-token pooling, then Normalize.
+    `config` adds keys to its config.json (e.g. matryoshka_dimensions)."""
+    import json
+
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+
+    decoder = make_tiny_model("qwen3", path / "decoder", byte_level=True)
+    # Sentence-transformers 6 renders text through a tokenizer's chat template, where it has
+    # one; an embedding model has none, so texts are embedded as they are (as OpenAI does).
+    (decoder / "chat_template.jinja").unlink()
+    transformer = Transformer(str(decoder))
+    transformer.tokenizer.pad_token = "<unk>"  # batches need one; last-token pooling skips it
+    pooling = Pooling(transformer.get_embedding_dimension(), "lasttoken")
+    model = SentenceTransformer(modules=[transformer, pooling, Normalize()], device="cpu")
+    target = path / "embedding"
+    model.save(str(target))
+    hf_config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps(hf_config | config, indent=2))
+    return target

@@ -102,11 +102,16 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """forward: token ids and positions -> final hidden states; compute_logits on a subset."""
+    """forward: token ids and positions -> final hidden states; compute_logits on a subset.
 
-    def __init__(self, arch: ModelArch) -> None:
+    Without `lm_head` (an embedding model: its hidden states are the output) there are no
+    logits to compute, and no head weight, tied or not.
+    """
+
+    def __init__(self, arch: ModelArch, lm_head: bool = True) -> None:
         super().__init__()
         self.arch = arch
+        self.has_lm_head = lm_head
         self.embed_tokens = nn.Parameter(
             torch.empty(arch.vocab_size, arch.hidden_size), requires_grad=False
         )
@@ -115,7 +120,7 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = (
             None
-            if arch.tie_word_embeddings
+            if arch.tie_word_embeddings or not lm_head
             else nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size), requires_grad=False)
         )
         # The LM head laid out for its kernel (Linear.pack), or a quantized head's dense copy
@@ -134,7 +139,7 @@ class DecoderModel(nn.Module):
         """Looks tokens up in `weight` from now on (the float table is dropped)."""
         self.quantized_embed = pack_tiles(weight)
         self.register_parameter("embed_tokens", None)
-        if self.lm_head is None and self.quantized_head is None:
+        if self.has_lm_head and self.lm_head is None and self.quantized_head is None:
             self.quantized_head = self.quantized_embed
 
     def quantize_head(self, weight: QuantizedWeight) -> None:
@@ -159,7 +164,7 @@ class DecoderModel(nn.Module):
         head: torch.Tensor | None = self.embed_tokens if self.lm_head is None else self.lm_head
         if self.quantized_head is not None:
             head = dequantize(self.quantized_head, dtype) if dense_copy else None
-        if head is not None:
+        if head is not None and self.has_lm_head:
             layer = Linear(head.shape[1], head.shape[0])
             layer.weight = nn.Parameter(head.detach(), requires_grad=False)
             layer.pack(tiled)
@@ -200,6 +205,7 @@ class DecoderModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(n, hidden_size) -> (n, vocab_size) float32 logits."""
+        assert self.has_lm_head, "an embedding model computes no logits"
         dense = self.dense_head
         if self.quantized_head is not None and (dense is None or len(hidden) <= DENSE_COPY_ROWS):
             return quantized_linear(hidden, self.quantized_head).float()

@@ -37,8 +37,10 @@ def load_model(
     device: torch.device | str,
     quant: QuantConfig | None = None,
     shard: Callable[[DecoderModel], DecoderModel] | None = None,
+    lm_head: bool = True,
 ) -> tuple[DecoderModel, ModelArch]:
     """Builds the decoder and fills every parameter; raises if any is left unfilled.
+    Without `lm_head` (an embedding model) it has none, and skips the checkpoint's.
 
     `shard` (tensor parallelism) turns the loaded float model into this rank's shard
     before it moves to `device`, so that only the shard reaches it.
@@ -52,7 +54,7 @@ def load_model(
     folder, gguf_file = resolve_model_path(model)
     hf_config = load_hf_config(folder, gguf_file)
     arch = ModelArch.from_hf_config(hf_config, eos_token_ids(folder, hf_config))
-    decoder = DecoderModel(arch).to(dtype)
+    decoder = DecoderModel(arch, lm_head).to(dtype)
     gguf = find_gguf_weights(folder, gguf_file)
     if quant.method == "gguf" and gguf is None:
         raise ValueError(f"{model}: no GGUF file to run as stored")
@@ -86,7 +88,7 @@ def quantize_model(model: DecoderModel, quant: QuantConfig) -> None:
     for module in model.modules():
         if isinstance(module, Linear) and module.weight is not None:
             module.quantize(quantize(module.weight))
-    if quant.lm_head and model.quantized_head is None:
+    if quant.lm_head and model.has_lm_head and model.quantized_head is None:
         head = model.embed_tokens if model.lm_head is None else model.lm_head
         int8 = quant.method == "int8"
         model.quantize_head(quantize_int8(head, INT8_HEAD_GROUP) if int8 else quantize(head))
@@ -113,8 +115,8 @@ class WeightLoader:
             raise ValueError(f"checkpoint is missing weights: {missing[:8]}")
 
     def _load_one(self, name: str, tensor: torch.Tensor | QuantizedWeight) -> None:
-        if "rotary_emb" in name or (name == "lm_head.weight" and self.arch.tie_word_embeddings):
-            return
+        if "rotary_emb" in name or (name == "lm_head.weight" and self.model.lm_head is None):
+            return  # tied to the embeddings, or an embedding model's
         target, rows = self._target(name.removeprefix("model."))
         param = self.params.get(target)
         if param is None:

@@ -49,12 +49,15 @@ class SchedulerOutput:
 
 @dataclass(frozen=True)
 class ModelRunnerOutput:
-    """Sampled tokens of the requests that reached the end of their known tokens."""
+    """Sampled tokens (or, in an embedding engine, embeddings) of the requests that reached
+    the end of their known tokens."""
 
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, Logprobs] = field(default_factory=dict)
     # Per request, for the prompt positions computed this step (position 0 has none).
     prompt_logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
+    # An embedding engine's: each request that finished its prefill, its embedding.
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,8 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     # Seconds between arrival and first scheduling; set on the request's first output.
     queue_time: float | None = None
+    # A prefill-only request's embedding, on its one (finishing) output.
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:

@@ -7,10 +7,9 @@ from collections import deque
 from collections.abc import Iterable
 
 from engine.config import SchedulerConfig
-from engine.errors import RequestValidationError
 from engine.kv_cache import KVCacheManager
 from engine.outputs import Logprobs
-from engine.request import Request, RequestStatus
+from engine.request import Request, RequestStatus, check_prompt_length
 from engine.scheduler.output import (
     EngineCoreOutput,
     ModelRunnerOutput,
@@ -53,12 +52,8 @@ class Scheduler:
         never run, ValueError for a duplicate id."""
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
-        if request.num_tokens >= self.config.max_model_len:
-            raise RequestValidationError(
-                f"the prompt has {request.num_tokens} tokens; max_model_len is "
-                f"{self.config.max_model_len}, which leaves no room to generate",
-                "prompt",
-            )
+        pooling = request.pooling_params is not None
+        check_prompt_length(request.num_tokens, self.config.max_model_len, pooling)
         if request.structured is not None and not request.structured.ready():
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.waiting.append(request)
@@ -203,6 +198,9 @@ class Scheduler:
     ) -> EngineCoreOutput | None:
         request_id = request.request_id
         prompt_logprobs = self._new_prompt_logprobs(request, start, runner_output)
+        embedding = runner_output.pooled.get(request_id)
+        if embedding is not None:
+            return self._finish_pooled(request, embedding)
         token = runner_output.sampled_token_ids.get(request_id)
         if token is None:
             if not prompt_logprobs:
@@ -218,9 +216,6 @@ class Scheduler:
             self._finish(request, status)
         logprobs = runner_output.logprobs.get(request_id)
         first = request.num_output_tokens == 1
-        queue_time = None
-        if first and request.first_scheduled_time is not None:
-            queue_time = request.first_scheduled_time - request.arrival_time
         return EngineCoreOutput(
             request_id,
             [token],
@@ -229,8 +224,26 @@ class Scheduler:
             new_logprobs=[logprobs] if logprobs is not None else [],
             prompt_logprobs=prompt_logprobs,
             num_cached_tokens=max(request.num_cached_tokens, 0),
-            queue_time=queue_time,
+            queue_time=self._queue_time(request) if first else None,
         )
+
+    def _finish_pooled(self, request: Request, embedding: list[float]) -> EngineCoreOutput:
+        """A prefill-only request ends with its embedding, as a normal stop."""
+        self._finish(request, RequestStatus.FINISHED_STOPPED)
+        return EngineCoreOutput(
+            request.request_id,
+            [],
+            finish_reason="stop",
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            queue_time=self._queue_time(request),
+            embedding=embedding,
+        )
+
+    @staticmethod
+    def _queue_time(request: Request) -> float | None:
+        if request.first_scheduled_time is None:
+            return None
+        return request.first_scheduled_time - request.arrival_time
 
     @staticmethod
     def _new_prompt_logprobs(

@@ -39,7 +39,8 @@ class StepBatch:
     input_ids: np.ndarray  # (num_tokens,) int64
     num_computed: list[int]
     num_new: list[int]
-    # Batch rows that sample a token this step (they reached the end of their tokens).
+    # Batch rows that sample a token this step (they reached the end of their tokens); an
+    # embedding engine pools them instead.
     sample_rows: list[int]
     # Batch rows whose prompt logprobs are wanted this step.
     prompt_logprob_rows: list[int]

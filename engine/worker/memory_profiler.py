@@ -93,7 +93,8 @@ def run_profile_step(
     block_size: int,
 ) -> int:
     """Runs the dummy step through `backend_name` on a temporary KV cache, logits included
-    for up to max_num_seqs rows. Returns that cache's size in bytes (freed on return)."""
+    for up to max_num_seqs rows (when the model has an LM head). Returns that cache's size
+    in bytes (freed on return)."""
     param = next(model.parameters())
     computed, new, tables = profile_batch(
         max_num_batched_tokens, max_num_seqs, max_model_len, block_size
@@ -104,7 +105,8 @@ def run_profile_step(
     backend.plan(md)
     input_ids = torch.zeros(md.num_tokens, dtype=torch.long, device=param.device)
     hidden = model(input_ids, md.positions, backend)  # (T, hidden_size)
-    model.compute_logits(hidden[-min(max_num_seqs, md.num_tokens) :]).softmax(-1)
+    if model.has_lm_head:
+        model.compute_logits(hidden[-min(max_num_seqs, md.num_tokens) :]).softmax(-1)
     return kv_cache.numel() * kv_cache.element_size()
 
 

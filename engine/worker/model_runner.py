@@ -1,4 +1,5 @@
-"""ModelRunner: turns a SchedulerOutput into sampled tokens.
+"""ModelRunner: turns a SchedulerOutput into sampled tokens (an embedding engine's: into
+embeddings, engine/worker/pooler.py).
 
 One flat batch per step with no per-request padding; logits only at the rows that
 sample (and at prompt rows whose logprobs were asked for), where constrained requests'
@@ -29,12 +30,14 @@ from engine.config import CacheConfig, DeviceConfig
 from engine.models.arch import ModelArch
 from engine.models.llama import DecoderModel
 from engine.outputs import Logprobs
+from engine.pooling import PoolerConfig
 from engine.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.cpu_threads import StepThreads
 from engine.worker.cuda_graphs import CudaGraphConfig, CudaGraphRunner, pad_decode_batch
 from engine.worker.grammar_bitmask import GrammarBitmask
 from engine.worker.input_batch import InputBatch, StepBatch
 from engine.worker.pinned_buffers import PinnedBuffers
+from engine.worker.pooler import LastTokenPooler
 from engine.worker.sampler import Sampler, collect_logprobs
 from engine.worker.step_profiler import StepProfiler
 
@@ -48,9 +51,12 @@ class ModelRunner:
         device_config: DeviceConfig,
         profiler: StepProfiler | None = None,
         cuda_graphs: CudaGraphConfig | None = None,
+        pooler: PoolerConfig | None = None,
     ) -> None:
         """With `cuda_graphs`, the cache gets one scratch block beyond cache_config.num_blocks
-        (the KV cache manager never sees it) and the decoder is captured here."""
+        (the KV cache manager never sees it) and the decoder is captured here. With `pooler`
+        (an embedding engine), the requests that reach the end of their prompt are pooled
+        instead of sampled."""
         self.model = model
         self.arch = arch
         self.block_size = cache_config.block_size
@@ -77,6 +83,7 @@ class ModelRunner:
         self.graphs = None if cuda_graphs is None else self._capture(backend, cuda_graphs)
         self.input_batch = InputBatch(arch.eos_token_ids)
         self.sampler = Sampler(arch.vocab_size)
+        self.pooler = None if pooler is None else LastTokenPooler(pooler)
         self.grammar_bitmask = GrammarBitmask(arch.vocab_size, self.device)
 
     def _capture(self, backend: AttentionBackend, config: CudaGraphConfig) -> CudaGraphRunner:
@@ -93,6 +100,8 @@ class ModelRunner:
             return ModelRunnerOutput({})
         with self._threads():
             hidden, host = self._forward(batch)  # (T, hidden)
+            if self.pooler is not None:
+                return self._pool(hidden, host, batch)
             return self._sample(hidden, host, batch)
 
     def _threads(self) -> Any:
@@ -133,14 +142,7 @@ class ModelRunner:
     ) -> ModelRunnerOutput:
         rows = batch.sample_rows
         with self.profiler.section("logits"):
-            if len(rows) == len(hidden):
-                # Every token samples, so each request has one, in batch order (a decode
-                # step): the hidden states are already the rows to sample from.
-                last = hidden
-            else:
-                last_tokens = host.qo_indptr[1:][rows].astype(np.int64) - 1
-                last = hidden[torch.from_numpy(last_tokens).to(self.device)]
-            logits = self.model.compute_logits(last)
+            logits = self.model.compute_logits(self._last_hidden(hidden, host, rows))
         states = [batch.requests[r] for r in rows]
         with self.profiler.section("grammar"):
             self.grammar_bitmask.apply_to(logits, [s.request for s in states])
@@ -156,6 +158,30 @@ class ModelRunner:
         return ModelRunnerOutput(
             dict(zip(request_ids, sampled.token_ids, strict=True)), logprobs, prompt_logprobs
         )
+
+    def _last_hidden(
+        self, hidden: torch.Tensor, host: StepMetadata, rows: list[int]
+    ) -> torch.Tensor:
+        """The hidden state of each of `rows`' last token this step, in `rows` order."""
+        if len(rows) == len(hidden):
+            # Every token is its request's last, in batch order (a decode step): the hidden
+            # states are already those rows.
+            return hidden
+        last_tokens = host.qo_indptr[1:][rows].astype(np.int64) - 1
+        return hidden[torch.from_numpy(last_tokens).to(self.device)]
+
+    def _pool(
+        self, hidden: torch.Tensor, host: StepMetadata, batch: StepBatch
+    ) -> ModelRunnerOutput:
+        """The embeddings of the requests whose prompt ends this step (sample_rows)."""
+        assert self.pooler is not None
+        rows = batch.sample_rows
+        if not rows:
+            return ModelRunnerOutput({})
+        with self.profiler.section("pooling"):
+            last = self._last_hidden(hidden, host, rows)
+            pooled = self.pooler(last, [batch.requests[r].request for r in rows])
+        return ModelRunnerOutput({}, pooled=pooled)
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, host: StepMetadata, batch: StepBatch

@@ -209,7 +209,10 @@ class Worker:
         if args.tensor_parallel_size > 1:
             self.model: DecoderModel = self._load_shard(args)
         else:
-            self.model, _ = load_model(model.weights, self.dtype, self.device, self.quant_config)
+            lm_head = model.pooler is None  # an embedding model has none
+            self.model, _ = load_model(
+                model.weights, self.dtype, self.device, self.quant_config, lm_head=lm_head
+            )
 
     def _load_shard(self, args: EngineArgs) -> TensorParallelDecoder:
         size = args.tensor_parallel_size
@@ -288,7 +291,8 @@ class Worker:
             return TensorParallelRunner(
                 *runner_args, StepProfiler(profile, self.device), group=self.tp_group
             )
-        return ModelRunner(*runner_args, StepProfiler(profile, self.device), graphs)
+        profiler = StepProfiler(profile, self.device)
+        return ModelRunner(*runner_args, profiler, graphs, self.model_config.pooler)
 
 
 def kv_blocks_for_budget(

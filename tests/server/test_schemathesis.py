@@ -55,6 +55,7 @@ def test_the_document_describes_the_request_bodies(api: LiveServer) -> None:
         "/v1/chat/completions/render": "#/components/schemas/ChatCompletionRequest",
         "/tokenize": "#/components/schemas/TokenizeRequest",
         "/detokenize": "#/components/schemas/DetokenizeRequest",
+        "/v1/embeddings": "#/components/schemas/EmbeddingRequest",
         "/v1/responses": "#/components/schemas/ResponsesRequest",
     }
     completion = document["components"]["schemas"]["CompletionRequest"]
