@@ -399,3 +399,73 @@ def test_replicas_share_responses_through_redis(model_dir: Path, redis_url: str)
         assert other_tenant is None and 590_000 < ttl_ms <= 600_000
     with serve(model_dir, redis_url) as another:
         second_turn(another, first)
+
+
+def test_reasoning_content_and_calls_become_items_in_order() -> None:
+    """The chat deltas of a reasoning model that answers and calls a tool, as events: each
+    item opens, fills and closes before the next, and the closed items are the output."""
+    from types import SimpleNamespace
+
+    from server.protocol import ResponsesRequest
+    from server.responses import EventStream, Shape, output_items
+
+    ctx = SimpleNamespace(model_name="tiny")
+    events = EventStream(Shape(ctx, ResponsesRequest(input="x"), "resp_" + "0" * 32))
+    call = {
+        "index": 0,
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "f", "arguments": ""},
+    }
+    deltas = [
+        {"reasoning": "think "},
+        {"reasoning": "more"},
+        {"content": "Let me check."},
+        {"tool_calls": [call]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"a": '}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]},
+    ]
+    sent = events.start() + [e for d in deltas for e in events.delta(d)] + events.close()
+    kinds = [(e["type"], e.get("output_index")) for e in sent]
+    assert kinds == [
+        ("response.created", None),
+        ("response.in_progress", None),
+        ("response.output_item.added", 0),
+        ("response.reasoning_text.delta", 0),
+        ("response.reasoning_text.delta", 0),
+        ("response.reasoning_text.done", 0),
+        ("response.output_item.done", 0),
+        ("response.output_item.added", 1),
+        ("response.content_part.added", 1),
+        ("response.output_text.delta", 1),
+        ("response.output_text.done", 1),
+        ("response.content_part.done", 1),
+        ("response.output_item.done", 1),
+        ("response.output_item.added", 2),
+        ("response.function_call_arguments.delta", 2),
+        ("response.function_call_arguments.delta", 2),
+        ("response.function_call_arguments.done", 2),
+        ("response.output_item.done", 2),
+    ]
+    assert [e["sequence_number"] for e in sent] == list(range(len(sent)))
+    streamed = [(i["type"], i["status"]) for i in events.output]
+    assert streamed == [
+        ("reasoning", "completed"),
+        ("message", "completed"),
+        ("function_call", "completed"),
+    ]
+    assert events.output[0]["content"][0]["text"] == "think more"
+    assert events.output[2]["arguments"] == '{"a": 1}' and events.output[2]["call_id"] == "call_1"
+    # The same message, whole, gives the same items.
+    message = {
+        "reasoning": "think more",
+        "content": "Let me check.",
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+        ],
+    }
+    whole = output_items(message)
+    assert [(i["type"], i.get("call_id")) for i in whole] == [
+        (i["type"], i.get("call_id")) for i in events.output
+    ]
+    assert whole[0]["content"] == events.output[0]["content"]
