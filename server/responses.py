@@ -27,9 +27,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from sse_starlette.sse import EventSourceResponse
 
-from server.body import parse_body
+from server.body import from_validation_error, parse_body
 from server.chat import create_chat_completion
 from server.disconnect import cancel_on_disconnect
 from server.errors import OpenAIError
@@ -273,7 +274,11 @@ def chat_request(
     }
     if body.stream:
         fields |= {"stream": True, "stream_options": {"include_usage": True}}
-    return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+    data = {k: v for k, v in fields.items() if v is not None}
+    try:
+        return ChatCompletionRequest.model_validate(data)
+    except ValidationError as exc:  # a tool or a format the chat request cannot take
+        raise from_validation_error(exc, data) from None
 
 
 # ---- response: a chat message to output items ----------------------------------------

@@ -257,6 +257,7 @@ def test_a_function_calling_loop(server: LiveServer) -> None:
         ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning.effort"),
         ({"input": "x", "text": {"format": {"type": "grammar"}}}, "text.format.type"),
         ({"input": "x", "bogus": 1}, "bogus"),
+        ({"input": "x", "tools": [{"type": "function", "name": 5}]}, "tools[0].function.name"),
     ],
 )
 def test_what_is_not_supported_is_a_400_naming_it(
