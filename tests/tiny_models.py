@@ -72,7 +72,14 @@ def save_byte_tokenizer(path: Path) -> None:
 
 
 def make_config(kind: str, vocab_size: int = VOCAB, max_positions: int = 512):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     common = dict(
         vocab_size=vocab_size,
@@ -108,15 +115,24 @@ def make_config(kind: str, vocab_size: int = VOCAB, max_positions: int = 512):
         return MistralConfig(**common, sliding_window=None)
     if kind == "qwen3":
         return Qwen3Config(**common, head_dim=16)
+    # Mixture-of-experts: 8 experts of 32, top-2 (overrides set norm_topk_prob,
+    # mlp_only_layers or decoder_sparse_step).
+    if kind == "qwen3_moe":
+        return Qwen3MoeConfig(
+            **common, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32
+        )
+    if kind == "mixtral":
+        common["intermediate_size"] = 32  # each expert's
+        return MixtralConfig(**common, num_local_experts=8, num_experts_per_tok=2)
     raise ValueError(kind)
 
 
 def make_tiny_model(
     kind: str, path: Path, seed: int = 0, byte_level: bool = False, **overrides: object
 ) -> Path:
-    """Saves a random-weight model of `kind` (llama, llama3-rope, qwen2, qwen3) to `path`,
-    with the word-level tokenizer, or with the byte-level one when `byte_level`;
-    `overrides` change its config (e.g. hidden_size=256, head_dim=64)."""
+    """Saves a random-weight model of `kind` (llama, llama3-rope, qwen2, qwen3, qwen3_moe,
+    mixtral) to `path`, with the word-level tokenizer, or with the byte-level one when
+    `byte_level`; `overrides` change its config (e.g. hidden_size=256, head_dim=64)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -14,7 +14,9 @@ class ModelArch:
     """A Llama-family decoder: RMSNorm, RoPE, GQA, SwiGLU.
 
     `qkv_bias` covers Qwen2 and `qk_norm` covers Qwen3; the rest is shared with Llama 2/3,
-    SmolLM2, TinyLlama and Mistral (without sliding window).
+    SmolLM2, TinyLlama and Mistral (without sliding window). Qwen3-MoE (Qwen3's attention)
+    and Mixtral (Mistral's) replace the MLP of the layers in `moe_layers` by `num_experts`
+    experts of `moe_intermediate_size`, `num_experts_per_tok` of them per token.
     """
 
     model_type: str
@@ -36,6 +38,16 @@ class ModelArch:
     # Attention beyond this many tokens back would need sliding-window masking, which we do
     # not implement: the engine caps max_model_len at it instead.
     sliding_window: int | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    # Whether the top-k routing weights are renormalised to sum to 1 (Mixtral always is).
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.moe_layers)
 
     @property
     def q_size(self) -> int:
@@ -82,9 +94,10 @@ class ModelArch:
             max_position_embeddings=getattr(config, "max_position_embeddings", 2048),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             eos_token_ids=eos_token_ids,
             sliding_window=_sliding_window(config),
+            **_moe_fields(config),
         )
 
 
@@ -97,6 +110,34 @@ def _sliding_window(config: Any) -> int | None:
     window = getattr(config, "sliding_window", None)
     if window is None:
         return None
-    if config.model_type in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
+    qwen = config.model_type in ("qwen2", "qwen3", "qwen3_moe")
+    if qwen and not getattr(config, "use_sliding_window", False):
         return None
     return int(window)
+
+
+def _moe_fields(config: Any) -> dict[str, Any]:
+    """The sparse MLPs' facts, as transformers' modeling code reads them (none for a dense
+    model). Every Mixtral layer is sparse and renormalises its top-k weights; a Qwen3-MoE
+    layer is sparse unless listed in `mlp_only_layers` or off the `decoder_sparse_step`
+    grid, and renormalises only with `norm_topk_prob`. Neither has a shared expert."""
+    num_layers = config.num_hidden_layers
+    if config.model_type == "mixtral":
+        return dict(
+            num_experts=config.num_local_experts,
+            num_experts_per_tok=config.num_experts_per_tok,
+            moe_intermediate_size=config.intermediate_size,
+            norm_topk_prob=True,
+            moe_layers=tuple(range(num_layers)),
+        )
+    if config.model_type != "qwen3_moe" or config.num_experts <= 0:
+        return {}
+    dense = set(config.mlp_only_layers or ())
+    step = config.decoder_sparse_step
+    return dict(
+        num_experts=config.num_experts,
+        num_experts_per_tok=config.num_experts_per_tok,
+        moe_intermediate_size=config.moe_intermediate_size,
+        norm_topk_prob=bool(config.norm_topk_prob),
+        moe_layers=tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0),
+    )

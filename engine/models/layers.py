@@ -227,3 +227,16 @@ class RotaryEmbedding(nn.Module):
             cos, sin = self.compute(torch.arange(size, device=self.inv_freq.device), dtype)
             table = self._tables[dtype] = (cos[:, 0], sin[:, 0])
         return table
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused into one layer."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size)
+        self.down_proj = Linear(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(native_ops.silu_and_mul(self.gate_up_proj(x)))

@@ -1,7 +1,8 @@
 """A Llama-family decoder written for paged attention.
 
 One class covers Llama 2/3, SmolLM2, TinyLlama, Mistral (no sliding window), Qwen2 (qkv
-bias) and Qwen3 (q/k RMSNorm). Inputs are a flat batch of tokens from many requests; the
+bias), Qwen3 (q/k RMSNorm), and the mixture-of-experts Qwen3-MoE and Mixtral (sparse MLPs:
+engine/models/moe.py). Inputs are a flat batch of tokens from many requests; the
 attention backend, passed in explicitly, knows which token belongs to which request.
 """
 
@@ -20,10 +21,12 @@ from engine.models.fused_layers import (
     run_fused_layers,
 )
 from engine.models.layers import (
+    MLP,
     Linear,
     RMSNorm,
     RotaryEmbedding,
 )
+from engine.models.moe import SparseMoE
 from engine.models.quantized import (
     DENSE_COPY_ROWS,
     QuantizedWeight,
@@ -63,24 +66,17 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
-class MLP(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
-        super().__init__()
-        self.intermediate_size = arch.intermediate_size
-        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size)
-        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(native_ops.silu_and_mul(self.gate_up_proj(x)))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, arch: ModelArch, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = Attention(arch, layer_idx)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = MLP(arch)
+        self.mlp: MLP | SparseMoE = (
+            SparseMoE(arch)
+            if layer_idx in arch.moe_layers
+            else MLP(arch.hidden_size, arch.intermediate_size)
+        )
 
     def forward(
         self,
@@ -171,7 +167,8 @@ class DecoderModel(nn.Module):
             # A plain float head that no kernel lays out stays where it is (no second handle).
             if layer.weight is None or self.quantized_head is not None:
                 self.dense_head = layer
-        if fused_layers_available(self.norm.weight):
+        # The native layer op runs dense MLPs only.
+        if fused_layers_available(self.norm.weight) and not self.arch.is_moe:
             self.fused_layers = FusedLayers([layer_weights(layer) for layer in self.layers])
             if dense_copy:
                 self.fused_dense_layers = FusedLayers(

@@ -23,6 +23,7 @@ from engine.models.hf_config import (
 )
 from engine.models.layers import Linear
 from engine.models.llama import DecoderModel
+from engine.models.moe import expert_tensors
 from engine.models.quantized import QuantizedWeight, quantize_int4, quantize_int8
 
 # int8 quantizes the LM head in groups of 32 (GGUF Q8_0's format) rather than per channel:
@@ -54,13 +55,15 @@ def load_model(
     folder, gguf_file = resolve_model_path(model)
     hf_config = load_hf_config(folder, gguf_file)
     arch = ModelArch.from_hf_config(hf_config, eos_token_ids(folder, hf_config))
-    decoder = DecoderModel(arch, lm_head).to(dtype)
     gguf = find_gguf_weights(folder, gguf_file)
     if quant.method == "gguf" and gguf is None:
         raise ValueError(f"{model}: no GGUF file to run as stored")
     use_gguf = gguf is not None and (
         quant.method == "gguf" or not any(folder.glob("*.safetensors"))
     )
+    if arch.is_moe:
+        _check_moe_weights(arch, quant, use_gguf)
+    decoder = DecoderModel(arch, lm_head).to(dtype)
     tensors = (
         iter_gguf(gguf, arch, keep_quantized=quant.method == "gguf")
         if use_gguf and gguf is not None
@@ -74,6 +77,21 @@ def load_model(
     decoder = decoder.to(device).eval()
     decoder.pack_weights(quant.dense_copy and quant.method != "none")
     return decoder, arch
+
+
+def _check_moe_weights(arch: ModelArch, quant: QuantConfig, use_gguf: bool) -> None:
+    """Raises ValueError for what a mixture-of-experts model cannot load: its experts run
+    on float weights only, and GGUF files' expert tensors have no mapping here."""
+    if quant.method != "none":
+        raise ValueError(
+            f"--quantization {quant.method} is not supported for mixture-of-experts models "
+            f"({arch.model_type}); use --quantization none"
+        )
+    if use_gguf:
+        raise ValueError(
+            f"GGUF weights are not supported for mixture-of-experts models ({arch.model_type}); "
+            "serve a Hugging Face safetensors directory"
+        )
 
 
 def quantize_model(model: DecoderModel, quant: QuantConfig) -> None:
@@ -106,8 +124,9 @@ class WeightLoader:
         self.shards: dict[str, list[tuple[int, QuantizedWeight]]] = {}
 
     def load(self, tensors: Iterator[tuple[str, torch.Tensor | QuantizedWeight]]) -> None:
-        for name, tensor in tensors:
-            self._load_one(name, tensor)
+        for checkpoint_name, checkpoint_tensor in tensors:
+            for name, tensor in expert_tensors(checkpoint_name, checkpoint_tensor):
+                self._load_one(name, tensor)
         for target, shards in self.shards.items():
             self._install_quantized(target, [w for _, w in sorted(shards, key=lambda s: s[0])])
         missing = sorted(set(self.params) - self.filled)
@@ -151,22 +170,23 @@ class WeightLoader:
         if name == "lm_head.weight":
             return "lm_head", None
         prefix, _, leaf = name.rpartition(".")
-        shards = {
-            "self_attn.q_proj": ("self_attn.qkv_proj", 0, a.q_size),
-            "self_attn.k_proj": ("self_attn.qkv_proj", a.q_size, a.q_size + a.kv_size),
-            "self_attn.v_proj": (
-                "self_attn.qkv_proj",
-                a.q_size + a.kv_size,
-                a.q_size + 2 * a.kv_size,
-            ),
-            "mlp.gate_proj": ("mlp.gate_up_proj", 0, a.intermediate_size),
-            "mlp.up_proj": ("mlp.gate_up_proj", a.intermediate_size, 2 * a.intermediate_size),
+        qkv = {
+            "q_proj": (0, a.q_size),
+            "k_proj": (a.q_size, a.q_size + a.kv_size),
+            "v_proj": (a.q_size + a.kv_size, a.q_size + 2 * a.kv_size),
         }
         layer, _, module = prefix.partition(".")
         layer_idx, _, module = module.partition(".")
-        if layer == "layers" and module in shards:
-            fused, start, end = shards[module]
-            return f"layers.{layer_idx}.{fused}.{leaf}", (start, end)
+        parent, _, proj = module.rpartition(".")  # e.g. "mlp.experts.3", "gate_proj"
+        if layer != "layers":
+            return name, None
+        if parent == "self_attn" and proj in qkv:
+            return f"layers.{layer_idx}.self_attn.qkv_proj.{leaf}", qkv[proj]
+        fused = f"layers.{layer_idx}.{parent}.gate_up_proj.{leaf}"
+        if proj in ("gate_proj", "up_proj") and fused in self.params:
+            # A dense MLP's or an expert's: their intermediate sizes differ (Qwen3-MoE).
+            half = len(self.params[fused]) // 2
+            return fused, (0, half) if proj == "gate_proj" else (half, 2 * half)
         return name, None
 
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.arch import ModelArch
-from engine.models.layers import Linear
+from engine.models.layers import MLP, Linear
 from engine.models.llama import DecoderLayer, DecoderModel
 from engine.utils import cdiv
 
@@ -54,6 +54,11 @@ def check_shardable(arch: ModelArch, size: int) -> None:
     """Raises ValueError naming the first dimension that does not split `size` ways."""
     if size < 1:
         raise ValueError(f"--tensor-parallel-size must be positive, got {size}")
+    if arch.is_moe and size > 1:
+        raise ValueError(
+            f"--tensor-parallel-size {size} cannot shard a mixture-of-experts model "
+            f"({arch.model_type}): its experts run on one process; use --tensor-parallel-size 1"
+        )
     for name, value in (
         ("attention heads", arch.num_heads),
         ("KV heads", arch.num_kv_heads),
@@ -109,7 +114,8 @@ class TensorParallelDecoder(DecoderModel):
         self.before_logits: Callable[[torch.Tensor], None] | None = None
         for layer in self.decoder_layers():
             layer.self_attn.o_proj = RowParallelLinear(layer.self_attn.o_proj, group)
-            layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj, group)
+            mlp = _dense_mlp(layer)
+            mlp.down_proj = RowParallelLinear(mlp.down_proj, group)
 
     def decoder_layers(self) -> list[DecoderLayer]:
         return [cast(DecoderLayer, layer) for layer in self.layers]
@@ -150,6 +156,12 @@ class TensorParallelDecoder(DecoderModel):
         return torch.cat(parts, dim=-1)[:, : self.full_vocab]
 
 
+def _dense_mlp(layer: DecoderLayer) -> MLP:
+    """The layer's MLP, which is dense: check_shardable refuses mixture-of-experts models."""
+    assert isinstance(layer.mlp, MLP), "a sparse MLP cannot shard"
+    return layer.mlp
+
+
 def _copy_sharded(model: TensorParallelDecoder, full: DecoderModel, shard: Shard) -> None:
     arch, a = full.arch, model.arch  # the whole model's shapes, one rank's
     with torch.no_grad():
@@ -170,8 +182,9 @@ def _copy_sharded(model: TensorParallelDecoder, full: DecoderModel, shard: Shard
             _copy_columns(att.qkv_proj, full_att.qkv_proj, sections, shard)
             _copy_rows(att.o_proj, full_att.o_proj, a.q_size, shard)
             size = arch.intermediate_size
-            _copy_columns(ours.mlp.gate_up_proj, theirs.mlp.gate_up_proj, (size, size), shard)
-            _copy_rows(ours.mlp.down_proj, theirs.mlp.down_proj, a.intermediate_size, shard)
+            mlp, full_mlp = _dense_mlp(ours), _dense_mlp(theirs)
+            _copy_columns(mlp.gate_up_proj, full_mlp.gate_up_proj, (size, size), shard)
+            _copy_rows(mlp.down_proj, full_mlp.down_proj, a.intermediate_size, shard)
 
 
 def _copy_columns(ours: Linear, full: Linear, sections: tuple[int, ...], shard: Shard) -> None:

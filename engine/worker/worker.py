@@ -108,7 +108,7 @@ def check_cpu_kernels(args: EngineArgs) -> None:
         check_kernels(args.cpu_isa, resolve_device(args.device))
 
 
-def resolve_device_config(args: EngineArgs) -> DeviceConfig:
+def resolve_device_config(args: EngineArgs, arch: ModelArch) -> DeviceConfig:
     """Device, dtype, attention backend, native kernels and threads: what runs here. Loads
     the native CPU kernels (on CPU), selecting their instruction set for the whole process,
     and may import flashinfer (on CUDA); raises ValueError for settings this machine cannot
@@ -118,7 +118,7 @@ def resolve_device_config(args: EngineArgs) -> DeviceConfig:
     kernels = resolve_kernels(args.cpu_isa, device)
     dtype = resolve_dtype(args.dtype, device)
     backend = resolve_backend(args.attention_backend, device, dtype)
-    sizes, graphs_off = cuda_graph_plan(args, device, backend.name)
+    sizes, graphs_off = cuda_graph_plan(args, device, backend.name, arch)
     # Each rank runs on its own cores.
     threads = args.num_threads or max(1, available_cpus() // args.tensor_parallel_size)
     return DeviceConfig(
@@ -164,13 +164,16 @@ def load_shard(
 
 
 def cuda_graph_plan(
-    args: EngineArgs, device: torch.device, backend: str
+    args: EngineArgs, device: torch.device, backend: str, arch: ModelArch
 ) -> tuple[tuple[int, ...], str]:
     """(the decode batch sizes to capture, why none) on CUDA; ((), "") elsewhere."""
     if device.type != "cuda":
         return (), ""
     if args.enforce_eager:
         return (), "off (--enforce-eager)"
+    if arch.is_moe:
+        # Each step's expert batch sizes are read on the host, which a graph cannot replay.
+        return (), "off (mixture-of-experts routing runs eagerly)"
     if args.tensor_parallel_size > 1:
         return (), "off (tensor parallelism runs eagerly)"
     if backend != "flashinfer":
@@ -182,8 +185,9 @@ def cuda_graph_plan(
 def describe_setup(args: EngineArgs) -> list[tuple[str, str]]:
     """What an engine made from `args` would run on this machine (config.runtime_facts),
     without loading the weights. Raises ValueError for a setting that cannot run here."""
-    device = resolve_device_config(args)
-    quant = resolve_quant_config(args, resolve_model_config(args), device.device_type)
+    model = resolve_model_config(args)
+    device = resolve_device_config(args, model.arch)
+    quant = resolve_quant_config(args, model, device.device_type)
     return runtime_facts(device, quant)
 
 
@@ -195,7 +199,7 @@ class Worker:
     """
 
     def __init__(self, args: EngineArgs, model: ModelConfig) -> None:
-        self.device_config = resolve_device_config(args)
+        self.device_config = resolve_device_config(args, model.arch)
         self.model_config = model
         self.device = torch.device(self.device_config.device)
         self.dtype = DTYPES[self.device_config.dtype]

@@ -1,0 +1,146 @@
+"""Mixture-of-experts decoders (Qwen3-MoE, Mixtral): greedy output equals transformers'
+token for token in float32, alone, batched, in chunks, from the prefix cache and after
+preemption; which layers are sparse follows transformers' rule; what the experts cannot
+run on (quantized or GGUF weights, several ranks) is refused at load.
+
+One tiny model per variant: Qwen3-MoE with a dense layer and unnormalised top-k weights,
+Qwen3-MoE with normalised ones, Mixtral (whose sliding window caps max_model_len).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, EngineArgs, SamplingParams
+from engine.config import QuantConfig, resolve_model_config
+from engine.models.arch import ModelArch
+from engine.models.loader import load_model
+from engine.models.moe import SparseMoE
+from tests.engine.test_correctness import engine_tokens, hf_greedy, make_prompts, tiny_llm
+from tests.tiny_models import make_config, make_tiny_model
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+# Most cross a block boundary while decoding, so a small cache must preempt.
+LENGTHS = [13, 30, 45, 14, 62, 7]
+VARIANTS = {
+    "qwen3_moe-dense-layer": ("qwen3_moe", dict(norm_topk_prob=False, mlp_only_layers=[0])),
+    "qwen3_moe-norm-topk": ("qwen3_moe", dict(norm_topk_prob=True)),
+    "mixtral": ("mixtral", dict(sliding_window=256)),
+}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def moe(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    kind, overrides = VARIANTS[request.param]
+    path = make_tiny_model(kind, tmp_path_factory.mktemp(request.param), **overrides)
+    prompts = make_prompts(1, LENGTHS)
+    prefix = make_prompts(2, [2 * 16 + 3])[0]  # two full blocks of 16 and a bit
+    shared = [prefix + tail for tail in make_prompts(3, [4, 11, 1])]
+    reference = hf_greedy(path, prompts + shared, PARAMS.max_tokens)
+    return path, prompts, shared, reference[: len(prompts)], reference[len(prompts) :]
+
+
+def test_alone_and_batched(moe) -> None:
+    path, prompts, _, reference, _ = moe
+    llm = tiny_llm(path, enable_prefix_caching=False)
+    sparse = [layer.mlp for layer in llm.core.runner.model.layers]
+    assert any(isinstance(mlp, SparseMoE) for mlp in sparse)
+    assert [engine_tokens(llm, [p], PARAMS)[0] for p in prompts] == reference
+    assert engine_tokens(llm, prompts, PARAMS) == reference
+
+
+def test_chunked_prefill(moe) -> None:
+    path, prompts, _, reference, _ = moe
+    llm = tiny_llm(path, max_num_batched_tokens=16)
+    assert engine_tokens(llm, prompts, PARAMS) == reference
+
+
+def test_prefix_cache_hit(moe) -> None:
+    path, _, shared, _, reference = moe
+    llm = tiny_llm(path)
+    first = engine_tokens(llm, shared[:1], PARAMS)
+    outputs = llm.generate(shared[1:], PARAMS)
+    assert first + [o.outputs[0].token_ids for o in outputs] == reference
+    assert all(o.num_cached_tokens == 32 for o in outputs)
+
+
+def test_preemption(moe) -> None:
+    path, prompts, _, reference, _ = moe
+    llm = tiny_llm(path, num_kv_blocks=6, max_model_len=96)
+    assert engine_tokens(llm, prompts, PARAMS) == reference
+    assert llm.core.scheduler.total_preemptions > 0
+
+
+def test_sparse_layers_follow_transformers() -> None:
+    """decoder_sparse_step and mlp_only_layers pick the sparse layers as transformers does."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    config = make_config("qwen3_moe")
+    config.update(dict(num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3]))
+    theirs = AutoModelForCausalLM.from_config(config).model.layers
+    sparse = Qwen3MoeSparseMoeBlock
+    expected = tuple(i for i, layer in enumerate(theirs) if isinstance(layer.mlp, sparse))
+    arch = ModelArch.from_hf_config(config)
+    assert arch.moe_layers == expected == (1, 5)
+    assert (arch.num_experts, arch.num_experts_per_tok, arch.moe_intermediate_size) == (8, 2, 32)
+    mixtral = ModelArch.from_hf_config(make_config("mixtral"))
+    assert mixtral.moe_layers == (0, 1) and mixtral.norm_topk_prob and not mixtral.qk_norm
+
+
+def test_mixtral_sliding_window_caps_max_model_len(tmp_path: Path) -> None:
+    path = make_tiny_model("mixtral", tmp_path, sliding_window=128)
+    assert resolve_model_config(EngineArgs(model=str(path))).max_model_len == 128
+    with pytest.raises(ValueError, match="its sliding window"):
+        resolve_model_config(EngineArgs(model=str(path), max_model_len=256))
+
+
+def test_stacked_experts_load_as_per_expert_ones(tmp_path: Path) -> None:
+    """transformers 5 holds a layer's experts as 3-D tensors (save_pretrained writes them
+    per expert, with Mixtral's own names): a checkpoint of the 3-D tensors loads the same."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    per_expert = make_tiny_model("mixtral", tmp_path / "per_expert")
+    state = AutoModelForCausalLM.from_pretrained(per_expert, dtype=torch.float32).state_dict()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    stacked = tmp_path / "stacked"
+    stacked.mkdir()
+    shutil.copy(per_expert / "config.json", stacked)
+    save_file({name: t.contiguous() for name, t in state.items()}, stacked / "model.safetensors")
+    ours = dict(load_model(stacked, torch.float32, "cpu")[0].named_parameters())
+    expected = dict(load_model(per_expert, torch.float32, "cpu")[0].named_parameters())
+    assert ours.keys() == expected.keys()
+    assert all(torch.equal(ours[name], expected[name]) for name in ours)
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"))
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_refuses_quantization(qwen3_moe: Path, method: str) -> None:
+    with pytest.raises(ValueError, match=f"--quantization {method} is not supported for mixture"):
+        LLM(str(qwen3_moe), dtype="float32", quantization=method)
+
+
+def test_refuses_gguf_weights(qwen3_moe: Path, tmp_path: Path) -> None:
+    """A GGUF file (never opened: the refusal comes first) beside the config, as the
+    weights themselves or run as stored."""
+    folder = tmp_path / "gguf"
+    shutil.copytree(qwen3_moe, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    (folder / "model.gguf").write_bytes(b"not read")
+    with pytest.raises(ValueError, match="GGUF weights are not supported for mixture"):
+        load_model(folder, torch.float32, "cpu", QuantConfig("none"))
+    with pytest.raises(ValueError, match="--quantization gguf is not supported for mixture"):
+        load_model(folder, torch.float32, "cpu", QuantConfig("gguf"))
+
+
+def test_refuses_tensor_parallelism(qwen3_moe: Path) -> None:
+    with pytest.raises(ValueError, match="cannot shard a mixture-of-experts model"):
+        LLM(str(qwen3_moe), dtype="float32", tensor_parallel_size=2)
