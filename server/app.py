@@ -54,7 +54,7 @@ from server.protocol import (
     TokenizeRequest,
 )
 from server.render import render_chat_completion, render_completion
-from server.serving import Caller, ServingContext, sse_events
+from server.serving import ServingContext, admit, sse_events
 from server.settings import AppState, Phase, ServerSettings
 
 logger = logging.getLogger("pagedserve.server")
@@ -211,14 +211,6 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 async def parse(request: Request, model: type[Body]) -> Body:
     return parse_body(await request.body(), model)
-
-
-def admit(request: Request, ctx: ServingContext, num_choices: int) -> Caller:
-    """Reserves queue room for the request's choices (503 or 400 when there is none) until
-    the engine has them, or the exchange ends."""
-    ticket = ctx.admission.admit(num_choices)
-    request.state.cleanup.callback(ticket.release)
-    return Caller(request.state.request_id, ticket, request.state.tenant)
 
 
 async def respond(

@@ -37,7 +37,7 @@ from server.errors import OpenAIError
 from server.openapi import ResponseDeleted, ResponseItemList, ResponseObject, route_docs
 from server.protocol import ChatCompletionRequest, ResponsesRequest
 from server.response_store import ResponseStore, StoredResponse, open_store
-from server.serving import Caller, ServingContext
+from server.serving import Caller, ServingContext, admit
 
 logger = logging.getLogger(__name__)
 
@@ -493,33 +493,22 @@ class EventStream:
 
     def delta(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
-        if delta.get("reasoning"):
-            if self.open is None or self.open["type"] != "reasoning":
-                events += self._open(reasoning_item(new_id("rs"), "", "in_progress"))
+        for field, item, prefix, make, kind, extra in _TEXT_DELTAS:
+            text = delta.get(field)
+            if not text:
+                continue
+            if self.open is None or self.open["type"] != item:
+                events += self._open(make(new_id(prefix), "", "in_progress"))
             assert self.open is not None
-            self.open["content"][0]["text"] += delta["reasoning"]
+            self.open["content"][0]["text"] += text
             events.append(
                 self.event(
-                    "response.reasoning_text.delta",
+                    kind,
                     item_id=self.open["id"],
                     output_index=len(self.output),
                     content_index=0,
-                    delta=delta["reasoning"],
-                )
-            )
-        if delta.get("content"):
-            if self.open is None or self.open["type"] != "message":
-                events += self._open(message_item(new_id("msg"), "", "in_progress"))
-            assert self.open is not None
-            self.open["content"][0]["text"] += delta["content"]
-            events.append(
-                self.event(
-                    "response.output_text.delta",
-                    item_id=self.open["id"],
-                    output_index=len(self.output),
-                    content_index=0,
-                    delta=delta["content"],
-                    logprobs=[],
+                    delta=text,
+                    **extra,
                 )
             )
         for call in delta.get("tool_calls") or []:
@@ -540,6 +529,15 @@ class EventStream:
                     )
                 )
         return events
+
+
+# A chat delta's text fields: the item each fills (its type, id prefix and maker) and the
+# event each sends, with that event's extra fields.
+_TextDelta = tuple[str, str, str, Callable[..., dict[str, Any]], str, dict[str, Any]]
+_TEXT_DELTAS: tuple[_TextDelta, ...] = (
+    ("reasoning", "reasoning", "rs", reasoning_item, "response.reasoning_text.delta", {}),
+    ("content", "message", "msg", message_item, "response.output_text.delta", {"logprobs": []}),
+)
 
 
 async def stream_response(
@@ -806,9 +804,7 @@ def add_routes(
             # The work outlives this exchange: its queue room is released by the work.
             caller = Caller(request.state.request_id, ctx.admission.admit(1), tenant(request))
         else:
-            ticket = ctx.admission.admit(1)
-            request.state.cleanup.callback(ticket.release)
-            caller = Caller(request.state.request_id, ticket, tenant(request))
+            caller = admit(request, ctx, 1)
         work = responses.create(ctx, body, caller)
         result = await cancel_on_disconnect(request.receive, work)
         if isinstance(result, dict):

@@ -17,6 +17,8 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from starlette.requests import Request
+
 from engine import (
     AsyncLLM,
     CompletionOutput,
@@ -118,6 +120,14 @@ class Caller:
     def reserve_tokens(self, runs: list[PromptRun], param: str) -> None:
         """Admission's second check, once the prompts are tokens: 400 or 503."""
         self.ticket.reserve_tokens(sum(len(r.prompt_ids) * r.params.n for r in runs), param)
+
+
+def admit(request: Request, ctx: ServingContext, num_choices: int) -> Caller:
+    """Reserves queue room for the request's choices (503 or 400 when there is none) until
+    the engine has them, or the exchange ends."""
+    ticket = ctx.admission.admit(num_choices)
+    request.state.cleanup.callback(ticket.release)
+    return Caller(request.state.request_id, ticket, request.state.tenant)
 
 
 @dataclass
