@@ -361,16 +361,12 @@ def resolve_scheduler_config(
 
 
 def _max_model_len(requested: int | None, arch: ModelArch) -> int:
-    limit = arch.max_position_embeddings
-    if arch.sliding_window is not None:
-        limit = min(limit, arch.sliding_window)
+    limit, why = arch.context_limit()
     if requested is None:
         return limit
     if requested > limit:
         raise ValueError(
-            f"max_model_len {requested} exceeds what the model supports ({limit}"
-            + (", its sliding window" if arch.sliding_window == limit else "")
-            + ")"
+            f"max_model_len {requested} exceeds what the model supports ({limit}{why})"
         )
     return requested
 

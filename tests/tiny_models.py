@@ -76,6 +76,7 @@ def make_config(kind: str, vocab_size: int = VOCAB, max_positions: int = 512):
         LlamaConfig,
         MistralConfig,
         MixtralConfig,
+        Phi3Config,
         Qwen2Config,
         Qwen3Config,
         Qwen3MoeConfig,
@@ -124,6 +125,23 @@ def make_config(kind: str, vocab_size: int = VOCAB, max_positions: int = 512):
     if kind == "mixtral":
         common["intermediate_size"] = 32  # each expert's
         return MixtralConfig(**common, num_local_experts=8, num_experts_per_tok=2)
+    if kind == "phi3":
+        return Phi3Config(**common, pad_token_id=0)
+    if kind == "phi3-longrope":
+        # Phi-4-mini's layout: longrope (its short factors, up to an original context of
+        # 256 here) and rotary embeddings over 3/4 of each head (12 of 16 dims).
+        return Phi3Config(
+            **common,
+            pad_token_id=0,
+            original_max_position_embeddings=256,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.75,
+                "short_factor": [1.0, 1.3, 1.9, 2.8, 4.0, 6.5],
+                "long_factor": [2.0, 3.0, 5.0, 8.0, 13.0, 21.0],
+            },
+        )
     raise ValueError(kind)
 
 
@@ -131,8 +149,9 @@ def make_tiny_model(
     kind: str, path: Path, seed: int = 0, byte_level: bool = False, **overrides: object
 ) -> Path:
     """Saves a random-weight model of `kind` (llama, llama3-rope, qwen2, qwen3, qwen3_moe,
-    mixtral) to `path`, with the word-level tokenizer, or with the byte-level one when
-    `byte_level`; `overrides` change its config (e.g. hidden_size=256, head_dim=64)."""
+    mixtral, phi3, phi3-longrope) to `path`, with the word-level tokenizer, or with the
+    byte-level one when `byte_level`; `overrides` change its config (e.g. hidden_size=256,
+    head_dim=64)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)

@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# The Hugging Face architectures we serve, by their config's model_type (README.md's table of
+# architectures lists exactly these: tests/test_readme_architectures.py).
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+    "Phi3ForCausalLM": "phi3",
+}
+SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES.values())
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 @dataclass(frozen=True)
@@ -16,7 +28,9 @@ class ModelArch:
     `qkv_bias` covers Qwen2 and `qk_norm` covers Qwen3; the rest is shared with Llama 2/3,
     SmolLM2, TinyLlama and Mistral (without sliding window). Qwen3-MoE (Qwen3's attention)
     and Mixtral (Mistral's) replace the MLP of the layers in `moe_layers` by `num_experts`
-    experts of `moe_intermediate_size`, `num_experts_per_tok` of them per token.
+    experts of `moe_intermediate_size`, `num_experts_per_tok` of them per token. Phi-3
+    (and Phi-4-mini, a phi3 model) fuses the projections in its checkpoints the way our
+    layers are fused, and adds longrope and partial rotary embeddings (`rotary_dim`).
     """
 
     model_type: str
@@ -44,6 +58,9 @@ class ModelArch:
     # Whether the top-k routing weights are renormalised to sum to 1 (Mixtral always is).
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()
+    # Rotary embeddings turn the first `rotary_dim` dims of each head and pass the rest
+    # through (Phi-4-mini: 3/4 of them); None: the whole head.
+    rotary_dim: int | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -56,6 +73,23 @@ class ModelArch:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def context_limit(self) -> tuple[int, str]:
+        """(the longest sequence we compute as transformers does, why it is shorter than
+        max_position_embeddings or "" where it is not): the engine caps max_model_len at it."""
+        limits = []
+        if self.sliding_window is not None:
+            limits.append((self.sliding_window, ", its sliding window"))
+        if self.rope_scaling.get("rope_type") == "longrope":
+            # transformers computes a longer sequence with the long factors at every
+            # position, its cached ones included: a paged KV cache would have to recompute.
+            why = (
+                ": its longrope scaling's original_max_position_embeddings; past it the long "
+                "factors apply, which pagedserve does not implement"
+            )
+            limits.append((int(self.rope_scaling["original_max_position_embeddings"]), why))
+        limits.append((self.max_position_embeddings, ""))
+        return min(limits, key=lambda limit: limit[0])
 
     @classmethod
     def from_hf_config(cls, config: Any, eos_token_ids: tuple[int, ...] = ()) -> ModelArch:
@@ -72,6 +106,8 @@ class ModelArch:
                 f"unsupported rope type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}"
             )
         rope["rope_type"] = rope_type
+        if rope_type == "longrope":
+            rope.update(_longrope_fields(config, rope))
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported activation {config.hidden_act!r}; only silu")
         if getattr(config, "mlp_bias", False):
@@ -97,6 +133,7 @@ class ModelArch:
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             eos_token_ids=eos_token_ids,
             sliding_window=_sliding_window(config),
+            rotary_dim=_rotary_dim(config, rope, head_dim),
             **_moe_fields(config),
         )
 
@@ -104,6 +141,38 @@ class ModelArch:
 def _rope_parameters(config: Any) -> dict[str, Any]:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     return dict(params or {})
+
+
+def _longrope_fields(config: Any, rope: dict[str, Any]) -> dict[str, Any]:
+    """longrope's original context length, and the factor transformers scales cos and sin
+    by (from `factor`, else from max_position_embeddings over the original length)."""
+    original = rope.get("original_max_position_embeddings") or getattr(
+        config, "original_max_position_embeddings", None
+    )
+    if original is None or "short_factor" not in rope:
+        raise ValueError("longrope needs original_max_position_embeddings and short_factor")
+    factor = rope.get("factor")
+    if factor is None:
+        factor = config.max_position_embeddings / original
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {"original_max_position_embeddings": int(original), "attention_factor": attention}
+
+
+def _rotary_dim(config: Any, rope: dict[str, Any], head_dim: int) -> int | None:
+    """How many of a head's dims the rotary embedding turns, where that is not all of them.
+    Only transformers' Phi-3 code passes the rest through; other model types refuse it."""
+    factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    if factor is None or float(factor) == 1.0:
+        return None
+    dim = int(head_dim * float(factor))
+    if config.model_type != "phi3" or dim <= 0 or dim % 2:
+        raise ValueError(
+            f"unsupported partial_rotary_factor {factor} for {config.model_type!r} (head_dim "
+            f"{head_dim}): only phi3 models may turn part of a head, an even number of dims"
+        )
+    return dim
 
 
 def _sliding_window(config: Any) -> int | None:

@@ -35,7 +35,10 @@ def find_gguf_weights(folder: Path, gguf_file: str | None) -> Path | None:
 def load_hf_config(folder: Path, gguf_file: str | None) -> Any:
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
+    from engine.models.gguf_config import with_gguf_experts
+
+    config = AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
+    return config if gguf_file is None else with_gguf_experts(config, folder / gguf_file)
 
 
 def eos_token_ids(folder: Path, hf_config: Any) -> tuple[int, ...]:

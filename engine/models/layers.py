@@ -174,9 +174,15 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
-    """Inverse frequencies for the default, linear and Llama 3 rope types (float32)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    """Inverse frequencies for the default, linear, Llama 3 and longrope rope types (float32).
+
+    longrope's are its short factors': ModelArch.context_limit keeps every sequence within
+    the original context, where transformers uses those."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     rope_type = scaling.get("rope_type", "default")
+    if rope_type == "longrope":
+        return 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32) * theta**exponents)
+    inv_freq = 1.0 / (theta**exponents)
     if rope_type == "linear":
         return inv_freq / float(scaling["factor"])
     if rope_type != "llama3":
@@ -193,11 +199,37 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch
     return torch.where(in_band, blended, scaled)
 
 
+def rotate_half_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """The order of a head's dims under which rotate-half rope over the whole head turns only
+    the first `rotary_dim` of them (partial rotary embeddings), for queries and keys alike
+    (their dot products, so attention, do not change). Rope over `rotary_dim` pairs dim i
+    with i + rotary_dim / 2, over the head i with i + head_dim / 2; head_dim 8, rotary_dim 4
+    (r: turned, p: passed through by cos 1 and sin 0):
+
+        checkpoint   r0 r1 r2 r3 p0 p1 p2 p3    pairs (r0, r2) (r1, r3)
+        ours         r0 r1 p0 p1 r2 r3 p2 p3    pairs (r0, r2) (r1, r3) (p0, p2) (p1, p3)
+    """
+    dims = torch.arange(head_dim)
+    turned = dims[:rotary_dim].view(2, rotary_dim // 2)
+    passed = dims[rotary_dim:].view(2, (head_dim - rotary_dim) // 2)
+    return torch.cat([turned, passed], dim=1).flatten()
+
+
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any]) -> None:
+    """cos and sin per position, rotate-half layout over the whole head. With `rotary_dim`
+    below head_dim only that many dims turn, in rotate_half_order's layout (the loader puts
+    the query and key weights in it); longrope scales cos and sin by its attention factor,
+    as transformers does."""
+
+    def __init__(
+        self, head_dim: int, theta: float, scaling: dict[str, Any], rotary_dim: int | None = None
+    ) -> None:
         super().__init__()
+        self.head_dim, self.rotary_dim = head_dim, rotary_dim or head_dim
+        self.attention_factor = float(scaling.get("attention_factor", 1.0))
         self.inv_freq: torch.Tensor
-        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+        inv_freq = rope_inv_freq(self.rotary_dim, theta, scaling)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
         # On the CPU, cos and sin per position in each dtype, computed once by `compute`
         # (elementwise float32 arithmetic, so the same values: tests/engine/models/
@@ -216,9 +248,16 @@ class RotaryEmbedding(nn.Module):
 
     def compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """forward's result computed from the positions (on a GPU, inside CUDA graphs)."""
-        freqs = positions[:, None].float() * self.inv_freq.float()  # (T, head_dim / 2)
+        freqs = positions[:, None].float() * self.inv_freq.float()  # (T, rotary_dim / 2)
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        cos, sin = emb.cos(), emb.sin()  # (T, rotary_dim)
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        if self.rotary_dim < self.head_dim:  # each half padded: cos 1, sin 0
+            pad, half = (self.head_dim - self.rotary_dim) // 2, self.rotary_dim // 2
+            cos = F.pad(cos.view(-1, 2, half), (0, pad), value=1.0).flatten(1)
+            sin = F.pad(sin.view(-1, 2, half), (0, pad)).flatten(1)
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
     def _table(self, num_positions: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         table = self._tables.get(dtype)

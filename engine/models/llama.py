@@ -1,9 +1,10 @@
 """A Llama-family decoder written for paged attention.
 
 One class covers Llama 2/3, SmolLM2, TinyLlama, Mistral (no sliding window), Qwen2 (qkv
-bias), Qwen3 (q/k RMSNorm), and the mixture-of-experts Qwen3-MoE and Mixtral (sparse MLPs:
-engine/models/moe.py). Inputs are a flat batch of tokens from many requests; the
-attention backend, passed in explicitly, knows which token belongs to which request.
+bias), Qwen3 (q/k RMSNorm), Phi-3 (longrope, partial rotary embeddings), and the
+mixture-of-experts Qwen3-MoE and Mixtral (sparse MLPs: engine/models/moe.py). Inputs are a
+flat batch of tokens from many requests; the attention backend, passed in explicitly, knows
+which token belongs to which request.
 """
 
 from __future__ import annotations
@@ -111,7 +112,9 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Parameter(
             torch.empty(arch.vocab_size, arch.hidden_size), requires_grad=False
         )
-        self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling)
+        self.rotary = RotaryEmbedding(
+            arch.head_dim, arch.rope_theta, arch.rope_scaling, arch.rotary_dim
+        )
         self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = (

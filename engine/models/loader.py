@@ -21,8 +21,8 @@ from engine.models.hf_config import (
     load_hf_config,
     resolve_model_path,
 )
-from engine.models.layers import Linear
-from engine.models.llama import DecoderModel
+from engine.models.layers import Linear, rotate_half_order
+from engine.models.llama import Attention, DecoderModel
 from engine.models.moe import expert_tensors
 from engine.models.quantized import QuantizedWeight, quantize_int4, quantize_int8
 
@@ -47,8 +47,9 @@ def load_model(
     before it moves to `device`, so that only the shard reaches it.
 
     `quant` says how weights run: "gguf" keeps a GGUF file's Q4_0/Q4_1/Q8_0 tensors
-    quantized (the file is the model itself or the one in its directory); "int8"/"int4"
-    quantize float weights after loading; "none" (the default) serves float weights, from
+    quantized (the file is the model itself or the one in its directory; a mixture of
+    experts' too, one weight per expert); "int8"/"int4" quantize float weights after
+    loading (not a mixture of experts'); "none" (the default) serves float weights, from
     safetensors when the directory has them, else from the dequantized GGUF file.
     """
     quant = quant or QuantConfig()
@@ -61,8 +62,7 @@ def load_model(
     use_gguf = gguf is not None and (
         quant.method == "gguf" or not any(folder.glob("*.safetensors"))
     )
-    if arch.is_moe:
-        _check_moe_weights(arch, quant, use_gguf)
+    check_weights(arch, quant, use_gguf)
     decoder = DecoderModel(arch, lm_head).to(dtype)
     tensors = (
         iter_gguf(gguf, arch, keep_quantized=quant.method == "gguf")
@@ -79,18 +79,32 @@ def load_model(
     return decoder, arch
 
 
-def _check_moe_weights(arch: ModelArch, quant: QuantConfig, use_gguf: bool) -> None:
-    """Raises ValueError for what a mixture-of-experts model cannot load: its experts run
-    on float weights only, and GGUF files' expert tensors have no mapping here."""
-    if quant.method != "none":
+# llama.cpp architectures whose GGUF tensors iter_gguf does not map: Phi-3's files fuse the
+# attention's and the MLP's projections (attn_qkv, a double-height ffn_up) and hold longrope's
+# factors as tensors.
+_GGUF_UNMAPPED = ("phi3",)
+
+
+def check_weights(arch: ModelArch, quant: QuantConfig, use_gguf: bool) -> None:
+    """Raises ValueError for weights `arch` cannot run on (README.md's table of
+    architectures says which, checked against this by tests/test_readme_architectures.py)."""
+    if arch.is_moe:
+        _check_moe_quantization(arch, quant)
+    if use_gguf and arch.model_type in _GGUF_UNMAPPED:
+        raise ValueError(
+            f"GGUF weights are not supported for {arch.model_type} models (their fused "
+            "tensors have no mapping here); serve a Hugging Face safetensors directory"
+        )
+
+
+def _check_moe_quantization(arch: ModelArch, quant: QuantConfig) -> None:
+    """Raises ValueError for a quantization a mixture-of-experts model cannot load: its
+    experts run on float weights or on a GGUF file's own quantized ones, but are not
+    quantized at load time."""
+    if quant.method in ("int8", "int4"):
         raise ValueError(
             f"--quantization {quant.method} is not supported for mixture-of-experts models "
-            f"({arch.model_type}); use --quantization none"
-        )
-    if use_gguf:
-        raise ValueError(
-            f"GGUF weights are not supported for mixture-of-experts models ({arch.model_type}); "
-            "serve a Hugging Face safetensors directory"
+            f"({arch.model_type}); use --quantization none, or gguf with a GGUF file"
         )
 
 
@@ -132,6 +146,24 @@ class WeightLoader:
         missing = sorted(set(self.params) - self.filled)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:8]}")
+        if self.arch.rotary_dim is not None:
+            self._reorder_rotary_dims(self.arch.rotary_dim)
+
+    def _reorder_rotary_dims(self, rotary_dim: int) -> None:
+        """Puts every query and key head's dims in layers.rotate_half_order, where the
+        rotary embedding turns part of each head (the values keep their order)."""
+        a = self.arch
+        heads = torch.arange(a.num_heads + a.num_kv_heads)[:, None] * a.head_dim
+        rows = (heads + rotate_half_order(a.head_dim, rotary_dim)).flatten()  # q and k rows
+        for attention in self.model.modules():
+            if not isinstance(attention, Attention):
+                continue
+            qkv = attention.qkv_proj
+            if qkv.weight is None:
+                raise ValueError("partial rotary embeddings need float query and key weights")
+            for param in (qkv.weight, qkv.bias):
+                if param is not None:
+                    param.data[: len(rows)] = param.data[rows]
 
     def _load_one(self, name: str, tensor: torch.Tensor | QuantizedWeight) -> None:
         if "rotary_emb" in name or (name == "lm_head.weight" and self.model.lm_head is None):

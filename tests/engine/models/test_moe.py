@@ -1,7 +1,8 @@
 """Mixture-of-experts decoders (Qwen3-MoE, Mixtral): greedy output equals transformers'
 token for token in float32, alone, batched, in chunks, from the prefix cache and after
 preemption; which layers are sparse follows transformers' rule; what the experts cannot
-run on (quantized or GGUF weights, several ranks) is refused at load.
+run on (int8/int4 quantization made at load, several ranks) is refused at load. GGUF files:
+tests/engine/models/test_gguf_moe.py.
 
 One tiny model per variant: Qwen3-MoE with a dense layer and unnormalised top-k weights,
 Qwen3-MoE with normalised ones, Mixtral (whose sliding window caps max_model_len).
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from engine import LLM, EngineArgs, SamplingParams
-from engine.config import QuantConfig, resolve_model_config
+from engine.config import resolve_model_config
 from engine.models.arch import ModelArch
 from engine.models.loader import load_model
 from engine.models.moe import SparseMoE
@@ -127,18 +128,6 @@ def qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_refuses_quantization(qwen3_moe: Path, method: str) -> None:
     with pytest.raises(ValueError, match=f"--quantization {method} is not supported for mixture"):
         LLM(str(qwen3_moe), dtype="float32", quantization=method)
-
-
-def test_refuses_gguf_weights(qwen3_moe: Path, tmp_path: Path) -> None:
-    """A GGUF file (never opened: the refusal comes first) beside the config, as the
-    weights themselves or run as stored."""
-    folder = tmp_path / "gguf"
-    shutil.copytree(qwen3_moe, folder, ignore=shutil.ignore_patterns("*.safetensors"))
-    (folder / "model.gguf").write_bytes(b"not read")
-    with pytest.raises(ValueError, match="GGUF weights are not supported for mixture"):
-        load_model(folder, torch.float32, "cpu", QuantConfig("none"))
-    with pytest.raises(ValueError, match="--quantization gguf is not supported for mixture"):
-        load_model(folder, torch.float32, "cpu", QuantConfig("gguf"))
 
 
 def test_refuses_tensor_parallelism(qwen3_moe: Path) -> None:
