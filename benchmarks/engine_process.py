@@ -20,6 +20,14 @@ default model's tokenizer, in bfloat16. In one run, one after the other:
 each serving 256 streamed requests at concurrency 128, ~40 tokens in and 128 out
 (serve_bench.py). Then one stream on the default model (200 in, 64 out), in-process and
 core-process, for single-stream ITL. Prints a table and writes <out>.json.
+
+On a GPU host (the README's H100/H200 run: SmolLM2-135M's shapes with random weights from
+random_model.py, 512 requests at concurrency 128, 200 in and 128 out, bfloat16):
+
+    python benchmarks/engine_process.py --gpu --model /tmp/smollm2-random \
+        --kinds core-process,core-process-sync,in-process --offline-kinds offline,offline-sync
+
+where the -sync kinds run without async scheduling (--no-async-scheduling).
 """
 
 from __future__ import annotations
@@ -41,12 +49,32 @@ HOST_BOUND = (
     "--workload random --num-requests 256 --concurrency 128 --input-len 40 --output-len 128"
 )
 SINGLE = "--workload random --num-requests 8 --concurrency 1 --input-len 200 --output-len 64"
+GPU_BOUND = (
+    "--workload random --num-requests 512 --concurrency 128 --input-len 200 --output-len 128"
+)
+# Each kind of server: its pagedserve flags.
+KINDS = {
+    "in-process": ["--engine-in-process"],
+    "core-process": [],
+    "core-process-1t": ["--num-threads", "1"],
+    "in-process-1t": ["--engine-in-process", "--num-threads", "1"],
+    "two-frontends": ["--api-server-count", "2"],
+    "core-process-sync": ["--no-async-scheduling"],
+    "in-process-sync": ["--engine-in-process", "--no-async-scheduling"],
+}
+CPU_KINDS = "in-process,core-process,core-process-1t,in-process-1t,two-frontends"
+# Offline runs: their LLM options beyond the model, dtype and max_num_seqs.
+OFFLINE_KINDS: dict[str, dict[str, Any]] = {
+    "offline": {},
+    "offline-sync": {"async_scheduling": False},
+}
 OFFLINE = """
 import json, sys, time
 from engine import LLM, SamplingParams
 args = json.loads(sys.argv[1])
 prompts = json.loads(sys.stdin.read())
-llm = LLM(model=args["model"], dtype="bfloat16", max_num_seqs=args["max_num_seqs"])
+llm = LLM(model=args["model"], dtype="bfloat16", max_num_seqs=args["max_num_seqs"],
+          **args["options"])
 params = SamplingParams(temperature=0.0, max_tokens=args["output_len"], ignore_eos=True)
 llm.generate(prompts[:8], params)  # warm-up
 start = time.perf_counter()
@@ -99,12 +127,9 @@ def serve(
     else:
         cmd = [sys.executable, "-m", "server.cli", "serve", str(model), "--dtype", "bfloat16"]
         cmd += ["--served-model-name", "m", "--no-log-requests", "--max-num-seqs", "128", *host]
-        cmd += ["--engine-in-process"] if name.startswith("in-process") else []
-        # The core's torch threads: all the CPUs (the default), or one, leaving the other
-        # to the frontend (share or split the cores).
-        cmd += ["--num-threads", "1"] if name.endswith("-1t") else []
-        cmd += ["--api-server-count", "2"] if name == "two-frontends" else []
-        cmd += args.pagedserve_args.split()
+        # -1t: the core's torch threads on one CPU, leaving the other to the frontend
+        # (share or split the cores).
+        cmd += KINDS[name] + args.pagedserve_args.split()
         env = {}
     log = out.parent / f"{out.name}-{name}.log"
     with compare_servers.server(cmd, env, url, log, timeout=600) as proc:
@@ -138,10 +163,15 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def offline(model: Path, args: argparse.Namespace) -> dict[str, Any]:
-    bench = serve_bench.parse_args(HOST_BOUND.split())
+def offline(model: Path, args: argparse.Namespace, kind: str = "offline") -> dict[str, Any]:
+    bench = serve_bench.parse_args(args.workload.split())
     prompts = serve_bench.make_prompts(bench)
-    options = {"model": str(model), "max_num_seqs": 128, "output_len": bench.output_len}
+    options = {
+        "model": str(model),
+        "max_num_seqs": 128,
+        "output_len": bench.output_len,
+        "options": OFFLINE_KINDS[kind],
+    }
     result = subprocess.run(
         [sys.executable, "-c", OFFLINE, json.dumps(options)],
         input=json.dumps(prompts),
@@ -161,19 +191,42 @@ def main() -> None:
     p.add_argument("--skip-single-stream", action="store_true")
     p.add_argument("--rounds", type=int, default=2, help="of the host-bound workload")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/engine_process"))
+    p.add_argument(
+        "--gpu",
+        action="store_true",
+        help="the GPU run: --model is required, the workload is 512 requests at concurrency "
+        "128, 200 in and 128 out, and no single-stream run",
+    )
+    p.add_argument("--model", type=Path, default=None, help="instead of the host-bound model")
+    p.add_argument("--kinds", default=None, help=f"servers to run (default {CPU_KINDS})")
+    p.add_argument("--offline-kinds", default="offline", help=", ".join(OFFLINE_KINDS))
+    p.add_argument(
+        "--offline-rounds",
+        type=int,
+        choices=(1, 2),
+        default=2,
+        help="offline runs before the servers, and (2) again after them",
+    )
     args = p.parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    model = make_model(args.out.parent / "host-bound-model")
+    if args.gpu and args.model is None:
+        p.error("--gpu needs --model (benchmarks/random_model.py makes one)")
+    args.workload = GPU_BOUND if args.gpu else HOST_BOUND
+    args.skip_single_stream |= args.gpu
+    model = args.model or make_model(args.out.parent / "host-bound-model")
     report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "host_bound": {}}
     host_bound = report["host_bound"]
-    host_bound["offline #1"] = offline(model, args)
-    kinds = ["in-process", "core-process", "core-process-1t", "in-process-1t", "two-frontends"]
+    offline_kinds = args.offline_kinds.split(",")
+    for kind in offline_kinds:
+        host_bound[f"{kind} #1"] = offline(model, args, kind)
+    kinds = (args.kinds or CPU_KINDS).split(",")
     # Rounds alternate the servers: a shared machine drifts between runs.
     names = [f"{kind} #{round_}" for round_ in range(1, args.rounds + 1) for kind in kinds]
     names += ["vllm"] if args.vllm_python else []
     for name in names:
-        host_bound[name] = serve(name.split(" ")[0], model, HOST_BOUND, args, args.out)
-    host_bound["offline #2"] = offline(model, args)  # the machine drifts: before and after
+        host_bound[name] = serve(name.split(" ")[0], model, args.workload, args, args.out)
+    for kind in offline_kinds if args.offline_rounds == 2 else ():
+        host_bound[f"{kind} #2"] = offline(model, args, kind)  # the machine drifts
     if not args.skip_single_stream:
         from engine import prepare_default_model
 
@@ -184,13 +237,17 @@ def main() -> None:
             for name in ("in-process", "core-process")
         }
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2))
-    rates = [host_bound[f"offline #{i}"]["output_tokens_per_s"] for i in (1, 2)]
-    rate = sum(rates) / 2
-    print(f"host-bound, offline: {rates[0]:.0f} and {rates[1]:.0f} tok/s (mean {rate:.0f})")
+    rounds = range(1, args.offline_rounds + 1)
+    for kind in offline_kinds:
+        rates = [host_bound[f"{kind} #{i}"]["output_tokens_per_s"] for i in rounds]
+        print(f"{kind}: {' and '.join(f'{r:.0f}' for r in rates)} tok/s")
+    # Served rates are shares of the first offline kind's (the default engine's) mean.
+    rates = [host_bound[f"{offline_kinds[0]} #{i}"]["output_tokens_per_s"] for i in rounds]
+    rate = sum(rates) / len(rates)
     for name in names:
         s = host_bound[name]
         print(
-            f"host-bound, {name:18s} {s['output_tokens_per_s']:5.0f} tok/s "
+            f"served, {name:22s} {s['output_tokens_per_s']:5.0f} tok/s "
             f"({s['output_tokens_per_s'] / rate:.0%} of offline)  "
             f"ITL p50 {s['itl_p50_s'] * 1e3:.1f} ms  p99 {s['itl_p99_s'] * 1e3:.1f} ms  "
             f"errors {s['errors']}  CPU s {s['cpu_s']}"

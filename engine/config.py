@@ -71,6 +71,12 @@ class EngineArgs:
         "auto", "paged attention implementation", choices=ATTENTION_BACKENDS
     )
     enforce_eager: bool = _arg(False, "CUDA only: run decode steps without CUDA graphs")
+    async_scheduling: bool | None = _arg(
+        None,
+        "schedule and launch each step before the last one's output is applied, so that on a "
+        "GPU the host's work overlaps the device's (default: on for CUDA, off on CPU, where "
+        "the forward pass runs on the same cores and nothing overlaps)",
+    )
     num_threads: int | None = _arg(None, "torch CPU threads (default: the CPUs available)")
     cpu_isa: str = _arg(
         "auto",
@@ -239,6 +245,8 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+    # Schedule and launch step N+1 before step N's output is applied (see EngineCore).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -357,7 +365,20 @@ def resolve_scheduler_config(
     args: EngineArgs, model: ModelConfig, device_type: str
 ) -> SchedulerConfig:
     budget = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS[device_type]
-    return SchedulerConfig(args.max_num_seqs, budget, model.max_model_len)
+    check_async_scheduling(args)
+    overlap = args.async_scheduling
+    if overlap is None:
+        overlap = device_type == "cuda" and args.tensor_parallel_size == 1
+    return SchedulerConfig(args.max_num_seqs, budget, model.max_model_len, overlap)
+
+
+def check_async_scheduling(args: EngineArgs) -> None:
+    """Raises ValueError where --async-scheduling cannot run."""
+    if args.async_scheduling and args.tensor_parallel_size > 1:
+        raise ValueError(
+            "--async-scheduling does not run with --tensor-parallel-size > 1: the workers "
+            "take each step's input ids from the host, which has not seen the last tokens yet"
+        )
 
 
 def _max_model_len(requested: int | None, arch: ModelArch) -> int:

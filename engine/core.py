@@ -18,6 +18,7 @@ from engine.config import (
     EngineArgs,
     EngineConfig,
     EngineHooks,
+    check_async_scheduling,
     load_tokenizer,
     resolve_model_config,
     resolve_scheduler_config,
@@ -29,8 +30,9 @@ from engine.kv_events import KVEventsConfig
 from engine.pooling import check_task
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler, SchedulerStats, StepResult
+from engine.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from engine.structured_output import StructuredOutputManager
-from engine.worker.model_runner import ModelRunner
+from engine.worker.model_runner import ModelRunner, PendingOutput
 
 if TYPE_CHECKING:
     from engine.kv_events.stream import KVEventStream
@@ -63,6 +65,10 @@ class EngineCore:
         self.kv_events = kv_events
         self.tp_group = tp_group
         self.num_steps = 0
+        # Async scheduling: the step whose forward ran last and whose output is not applied
+        # yet, with its sampled tokens on their way to the host.
+        self.async_scheduling = config.scheduler.async_scheduling and runner.pooler is None
+        self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
 
     @classmethod
     def from_args(cls, args: EngineArgs, hooks: EngineHooks | None = None) -> EngineCore:
@@ -71,6 +77,7 @@ class EngineCore:
         from engine.worker.worker import Worker
 
         hooks = hooks or EngineHooks()
+        check_async_scheduling(args)
         events_config = KVEventsConfig.from_json(args.kv_events_config)
         model_config = resolve_model_config(args)
         worker = Worker(args, model_config)
@@ -128,7 +135,7 @@ class EngineCore:
         return self.scheduler.finish_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def stats(self) -> SchedulerStats:
         """The scheduler's gauges now (and its counters since the last step or call)."""
@@ -141,16 +148,40 @@ class EngineCore:
             raise RuntimeError("injected engine step failure (test hook)")
         if self.hooks.step_delay:
             time.sleep(self.hooks.step_delay)
-        scheduler_output = self.scheduler.schedule()
-        if not scheduler_output.scheduled:
-            self._wait_for_grammars()
-        runner_output = self.runner.execute(scheduler_output)
-        result = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.async_scheduling:
+            result = self._overlapped_step()
+        else:
+            scheduler_output = self.scheduler.schedule()
+            if not scheduler_output.scheduled:
+                self._wait_for_grammars()
+            runner_output = self.runner.execute(scheduler_output)
+            result = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self.hooks.check_invariants:
             self.scheduler.kv_cache.check_invariants()
         if self.kv_events is not None:
             self.kv_events.flush()
         self.num_steps += 1
+        return result
+
+    def _overlapped_step(self) -> StepResult:
+        """Async scheduling: schedules and launches step N+1 before applying step N's
+        output, so that on a GPU the host's work for N (stop checks, detokenization's
+        inputs, the outputs' trip to the frontend) runs while the device computes N+1.
+        Step N+1's decode inputs are N's sampled tokens, read on the device. Returns step
+        N's result (empty on the first call); N+1 samples after N's output is applied, so
+        its grammars, penalties and seeds see every token, as in a synchronous step."""
+        scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.scheduled and self._in_flight is None:
+            self._wait_for_grammars()
+        step = self.runner.forward(scheduler_output)
+        if self._in_flight is None:
+            result = self.scheduler.update_from_output(SchedulerOutput([]), ModelRunnerOutput({}))
+        else:
+            previous, pending = self._in_flight
+            result = self.scheduler.update_from_output(previous, pending.result())
+        self._in_flight = None
+        if step is not None:
+            self._in_flight = (scheduler_output, self.runner.sample(step))
         return result
 
     def _wait_for_grammars(self) -> None:

@@ -45,9 +45,10 @@ class Request:
     """A prompt and what has been generated for it so far.
 
     There are no prefill or decode phases: each step moves `num_computed_tokens` (tokens
-    whose KV is in the cache) towards `num_tokens`. `block_hashes` holds the chained hash
-    of every full block of `all_token_ids`, extended by the KV cache manager. `structured`
-    carries the grammar state of a constrained request.
+    whose KV is in the cache once the scheduled steps have run) towards `num_tokens` plus
+    `num_output_placeholders`. `block_hashes` holds the chained hash of every full block of
+    `all_token_ids`, extended by the KV cache manager. `structured` carries the grammar
+    state of a constrained request.
 
     A request with `pooling_params` (an embedding engine's) is prefill-only: it samples
     nothing and ends once its prompt is computed, with its embedding; its sampling_params
@@ -64,6 +65,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
+    # Tokens sampled in a step that is still running, their ids not yet known: with async
+    # scheduling the next step is scheduled before the last one's tokens come back.
+    num_output_placeholders: int = 0
     # Tokens served from the prefix cache when the request was first scheduled (-1: not yet).
     num_cached_tokens: int = -1
     num_preemptions: int = 0
@@ -92,6 +96,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        """The tokens known plus those a running step is sampling."""
+        return len(self.all_token_ids) + self.num_output_placeholders
 
     @property
     def is_finished(self) -> bool:

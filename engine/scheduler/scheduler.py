@@ -19,6 +19,10 @@ from engine.scheduler.output import (
     StepResult,
 )
 
+# The states whose requests take a step's output: preempted ones too, since with async
+# scheduling a request may be preempted while a step that samples for it is still running.
+_TAKES_OUTPUT = (RequestStatus.RUNNING, RequestStatus.PREEMPTED)
+
 
 class Scheduler:
     """Decides which requests run in each step and how many tokens each gets.
@@ -90,7 +94,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._ends_with_placeholders(request):
+                i += 1
+                continue
+            num_new = min(
+                request.num_tokens_with_placeholders - request.num_computed_tokens, budget
+            )
             new_blocks = self.kv_cache.allocate_slots(request, num_new)
             while new_blocks is None:
                 victim = self.running.pop()
@@ -102,9 +111,7 @@ class Scheduler:
             if new_blocks is None:
                 break
             block_ids = [b.block_id for b in new_blocks]
-            scheduled.append(
-                ScheduledRequest(request, num_new, request.num_computed_tokens, block_ids)
-            )
+            scheduled.append(self._scheduled(request, num_new, block_ids))
             budget -= num_new
             i += 1
 
@@ -131,6 +138,34 @@ class Scheduler:
 
         finished, self._finished_ids = self._finished_ids, set()
         return SchedulerOutput(scheduled, finished)
+
+    @staticmethod
+    def _scheduled(
+        request: Request, num_new: int, block_ids: list[int], new_table: bool = False
+    ) -> ScheduledRequest:
+        """The step's entry for `request`; advances its computed tokens, and counts the
+        token it samples (it reaches the end of its tokens) as a placeholder until the
+        step's output comes back."""
+        entry = ScheduledRequest(
+            request, num_new, request.num_computed_tokens, block_ids, new_table
+        )
+        request.num_computed_tokens += num_new
+        end = request.num_tokens_with_placeholders
+        if request.num_computed_tokens == end and request.pooling_params is None:
+            request.num_output_placeholders += 1
+        return entry
+
+    def _ends_with_placeholders(self, request: Request) -> bool:
+        """Whether the token a running step samples for `request` is its last by length
+        (max_tokens or max_model_len): then nothing more is scheduled for it. Only async
+        scheduling meets placeholders here."""
+        if not request.num_output_placeholders:
+            return False
+        max_tokens = request.sampling_params.max_tokens
+        outputs = request.num_output_tokens + request.num_output_placeholders
+        if max_tokens is not None and outputs >= max_tokens:
+            return True
+        return request.num_tokens_with_placeholders >= self.config.max_model_len
 
     def _grammar_ready(self, request: Request) -> bool:
         """False while the request's grammar compiles. One that failed to compile ends the
@@ -162,7 +197,7 @@ class Scheduler:
             request.first_scheduled_time = time.monotonic()
         self.running.append(request)
         block_ids = self.kv_cache.block_ids(request.request_id)
-        return ScheduledRequest(request, num_new, num_hit, block_ids, new_table=True)
+        return self._scheduled(request, num_new, block_ids, new_table=True)
 
     def _preempt(self, request: Request) -> None:
         """Recompute-style preemption: frees the victim's blocks; it resumes first."""
@@ -178,19 +213,23 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> StepResult:
-        """Advances each scheduled request and applies the stop conditions."""
+        """Applies a step's sampled tokens and the stop conditions. With async scheduling
+        the next step has been scheduled already: a request preempted by it still gets the
+        token this step sampled for it, and one that ends here wastes its next step's row."""
         outputs, self._failed = self._failed, []
         for entry in scheduler_output.scheduled:
             request = self.requests.get(entry.request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            if request is None or request.status not in _TAKES_OUTPUT:
                 continue
-            start = request.num_computed_tokens
-            request.num_computed_tokens += entry.num_new_tokens
-            output = self._apply_output(request, start, runner_output)
+            if entry.request_id in runner_output.sampled_token_ids:
+                request.num_output_placeholders -= 1
+            output = self._apply_output(request, entry.num_computed_tokens, runner_output)
             if output is not None:
                 outputs.append(output)
         if any(r.is_finished for r in self.running):
             self.running = [r for r in self.running if not r.is_finished]
+        if any(r.is_finished for r in self.waiting):
+            self.waiting = deque(r for r in self.waiting if not r.is_finished)
         return StepResult(outputs, self.stats(scheduler_output.total_num_scheduled_tokens))
 
     def _apply_output(

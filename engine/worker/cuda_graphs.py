@@ -181,6 +181,11 @@ class CudaGraphRunner:
         padded with pad_decode_batch, already on the device. Returns the first `num_reqs`
         rows' (num_reqs, hidden_size) states: a view of the graph's output, to be used before
         the next `run`."""
+        return self.replay(self.prepare(md, input_ids), num_reqs)
+
+    def prepare(self, md: AttentionMetadata, input_ids: torch.Tensor) -> int:
+        """The first half of `run`: fills the graph's inputs and plans its attention (which
+        stages the plan in FlashInfer's pinned host buffer). Returns the graph's size."""
         size = md.num_reqs
         graph = self._graphs.get(size)
         if graph is None or input_ids.shape[0] != size:
@@ -188,5 +193,10 @@ class CudaGraphRunner:
         self.input_ids[:size].copy_(input_ids)
         self.positions[:size].copy_(md.positions)
         graph.attention.plan(md)
+        return size
+
+    def replay(self, size: int, num_reqs: int) -> torch.Tensor:
+        """The second half of `run`: replays the prepared graph."""
+        graph = self._graphs[size]
         graph.graph.replay()
         return graph.hidden[:num_reqs]

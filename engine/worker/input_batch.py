@@ -44,6 +44,9 @@ class StepBatch:
     sample_rows: list[int]
     # Batch rows whose prompt logprobs are wanted this step.
     prompt_logprob_rows: list[int]
+    # (position in input_ids, request id) of each input token the host does not know yet:
+    # with async scheduling, the one the step before is still sampling for the request.
+    placeholders: list[tuple[int, str]]
 
     @property
     def block_ids(self) -> list[list[int]]:
@@ -63,6 +66,8 @@ class InputBatch:
             self.requests.pop(request_id, None)
         states, chunks, computed, new = [], [], [], []
         sample_rows, prompt_rows = [], []
+        placeholders: list[tuple[int, str]] = []
+        offset = 0
         for row, entry in enumerate(scheduler_output.scheduled):
             if entry.new_table:
                 state = self._create(entry.request, entry.block_ids)
@@ -72,17 +77,22 @@ class InputBatch:
             request = state.request
             start, end = entry.num_computed_tokens, entry.num_computed_tokens + entry.num_new_tokens
             states.append(state)
-            chunks.append(request.all_token_ids[start:end])
+            chunk = request.all_token_ids[start:end]
+            if end > request.num_tokens:  # the last token is still being sampled
+                placeholders.append((offset + len(chunk), request.request_id))
+                chunk = [*chunk, 0]
+            chunks.append(chunk)
             computed.append(start)
             new.append(entry.num_new_tokens)
-            if end == request.num_tokens:
+            offset += entry.num_new_tokens
+            if end >= request.num_tokens:
                 sample_rows.append(row)
             wants_prompt_logprobs = request.sampling_params.prompt_logprobs is not None
             if wants_prompt_logprobs and start < request.num_prompt_tokens - 1:
                 prompt_rows.append(row)
         # chain() iterates in C: no Python-level loop per token, even for long prefills.
-        input_ids = np.fromiter(chain.from_iterable(chunks), dtype=np.int64, count=sum(new))
-        return StepBatch(states, input_ids, computed, new, sample_rows, prompt_rows)
+        input_ids = np.fromiter(chain.from_iterable(chunks), dtype=np.int64, count=offset)
+        return StepBatch(states, input_ids, computed, new, sample_rows, prompt_rows, placeholders)
 
     def _create(self, request: Request, block_ids: list[int]) -> CachedRequestState:
         params = request.sampling_params

@@ -11,6 +11,7 @@ may replay a CUDA graph (its metadata then covers the padded batch).
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -38,8 +39,82 @@ from engine.worker.grammar_bitmask import GrammarBitmask
 from engine.worker.input_batch import InputBatch, StepBatch
 from engine.worker.pinned_buffers import PinnedBuffers
 from engine.worker.pooler import LastTokenPooler
-from engine.worker.sampler import Sampler, collect_logprobs
+from engine.worker.sampler import (
+    LogprobTensors,
+    Sampler,
+    collect_logprobs,
+    to_logprobs,
+)
 from engine.worker.step_profiler import StepProfiler
+
+
+@dataclass(frozen=True)
+class ForwardStep:
+    """A step whose forward has been launched: its batch, hidden states and metadata."""
+
+    batch: StepBatch
+    hidden: torch.Tensor  # (num_tokens, hidden_size)
+    host: StepMetadata
+
+
+class PendingOutput:
+    """A step's sampled tokens (and logprobs) on their way to the host: on CUDA they are
+    copied into pinned memory without blocking, and `result()` waits for that copy only,
+    not for whatever the device was given to run after it."""
+
+    def __init__(
+        self,
+        request_ids: list[str],
+        tokens: torch.Tensor,
+        logprobs: LogprobTensors | None,
+        num_top: list[int | None],
+        prompt_logprobs: dict[str, list[Logprobs]],
+    ) -> None:
+        self._request_ids = request_ids
+        self._num_top = num_top
+        self._prompt_logprobs = prompt_logprobs
+        self._copied: torch.cuda.Event | None = None
+        device = tokens.device
+        if device.type == "cuda":
+            tokens = _to_host(tokens)
+            if logprobs is not None:
+                logprobs = logprobs.map(_to_host)
+            self._copied = torch.cuda.Event()
+            self._copied.record(torch.cuda.current_stream(device))
+        self._tokens = tokens
+        self._logprobs = logprobs
+        self._result: ModelRunnerOutput | None = None
+
+    @classmethod
+    def ready(cls, output: ModelRunnerOutput) -> PendingOutput:
+        pending = cls.__new__(cls)
+        pending._result = output
+        return pending
+
+    def result(self) -> ModelRunnerOutput:
+        if self._result is not None:
+            return self._result
+        if self._copied is not None:
+            self._copied.synchronize()
+        tokens = self._tokens.tolist()
+        logprobs = {}
+        if self._logprobs is not None:
+            entries = to_logprobs(self._logprobs, tokens, self._num_top)
+            logprobs = {
+                rid: lp
+                for rid, lp in zip(self._request_ids, entries, strict=True)
+                if lp is not None
+            }
+        self._result = ModelRunnerOutput(
+            dict(zip(self._request_ids, tokens, strict=True)), logprobs, self._prompt_logprobs
+        )
+        return self._result
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of a device tensor, made without blocking the host."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
 
 
 class ModelRunner:
@@ -85,6 +160,11 @@ class ModelRunner:
         self.sampler = Sampler(arch.vocab_size)
         self.pooler = None if pooler is None else LastTokenPooler(pooler)
         self.grammar_bitmask = GrammarBitmask(arch.vocab_size, self.device)
+        # The last step's sampled tokens, on the device, and each request's row in them.
+        self._last_sampled = torch.zeros(0, dtype=torch.long, device=self.device)
+        self._last_sampled_rows: dict[str, int] = {}
+        # Recorded once a step's inputs have gone to the device (CUDA).
+        self._inputs_sent: torch.cuda.Event | None = None
 
     def _capture(self, backend: AttentionBackend, config: CudaGraphConfig) -> CudaGraphRunner:
         if not isinstance(backend, FlashInferAttentionBackend):
@@ -93,16 +173,36 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Mutates the KV cache and the input batch."""
+        """Mutates the KV cache and the input batch: one whole step, synchronously."""
+        step = self.forward(scheduler_output)
+        if step is None:
+            return ModelRunnerOutput({})
+        return self.sample(step).result()
+
+    @torch.inference_mode()
+    def forward(self, scheduler_output: SchedulerOutput) -> ForwardStep | None:
+        """Mutates the KV cache and the input batch: the step's forward, launched (on a GPU
+        it may still be running on return). None when nothing runs. A token the previous
+        step sampled but the host has not seen yet (async scheduling) is read from that
+        step's device tensor of sampled tokens."""
         with self.profiler.section("metadata"):
             batch = self.input_batch.update(scheduler_output)
         if not batch.requests:
-            return ModelRunnerOutput({})
+            return None
         with self._threads():
-            hidden, host = self._forward(batch)  # (T, hidden)
+            hidden, host = self._forward(batch)
+        return ForwardStep(batch, hidden, host)
+
+    @torch.inference_mode()
+    def sample(self, step: ForwardStep) -> PendingOutput:
+        """Samples (or pools) the rows of `step` whose request is still unfinished: with
+        async scheduling one may have ended on the output of the step before, applied
+        after this step's forward was launched. The tokens come back to the host when the
+        result is asked for."""
+        with self._threads():
             if self.pooler is not None:
-                return self._pool(hidden, host, batch)
-            return self._sample(hidden, host, batch)
+                return PendingOutput.ready(self._pool(step.hidden, step.host, step.batch))
+            return self._sample(step.hidden, step.host, step.batch)
 
     def _threads(self) -> Any:
         return nullcontext() if self.threads is None else self.threads.step()
@@ -119,13 +219,40 @@ class ModelRunner:
                 computed, new, tables = pad_decode_batch(computed, tables, graph_size, scratch)
                 input_ids = np.pad(input_ids, (0, graph_size - len(input_ids)))
             host = build_step_metadata(computed, new, tables, self.block_size)
+            if self._inputs_sent is not None:
+                # The last step's host buffers (ours and FlashInfer's plan) are reused now.
+                self._inputs_sent.synchronize()
             md, ids = self._upload(host, input_ids)
-            if graph_size is None:
+            if batch.placeholders:
+                self._fill_placeholders(ids, batch.placeholders)
+            if self.graphs is not None and graph_size is not None:
+                self.graphs.prepare(md, ids)
+            else:
                 self.backend.plan(md)
+            if self.device.type == "cuda":
+                self._inputs_sent = torch.cuda.Event()
+                self._inputs_sent.record(torch.cuda.current_stream(self.device))
         with self.profiler.section("forward"):
             if self.graphs is not None and graph_size is not None:
-                return self.graphs.run(md, ids, len(batch.requests)), host
+                return self.graphs.replay(graph_size, len(batch.requests)), host
             return self.model(ids, md.positions, self.backend), host
+
+    def _fill_placeholders(self, ids: torch.Tensor, placeholders: list[tuple[int, str]]) -> None:
+        """Writes into `ids`, at each placeholder's position, the token the last step
+        sampled for its request (still on the device)."""
+        rows = self._last_sampled_rows
+        positions = [position for position, _ in placeholders]
+        sources = [rows[request_id] for _, request_id in placeholders]
+        index = self._to_device(torch.tensor(positions + sources, dtype=torch.long))
+        count = len(positions)
+        ids[index[:count]] = self._last_sampled[index[count:]]
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A small host tensor on the device without waiting for the device's queue (a
+        blocking copy would wait for the running step)."""
+        if self.device.type == "cpu":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
 
     def _upload(
         self, host: StepMetadata, input_ids: np.ndarray
@@ -137,27 +264,25 @@ class ModelRunner:
         ids, *fields = self.pinned.to_device(ids, *host_tensors(host))
         return AttentionMetadata(host, *fields), ids
 
-    def _sample(
-        self, hidden: torch.Tensor, host: StepMetadata, batch: StepBatch
-    ) -> ModelRunnerOutput:
-        rows = batch.sample_rows
+    def _sample(self, hidden: torch.Tensor, host: StepMetadata, batch: StepBatch) -> PendingOutput:
+        rows = [r for r in batch.sample_rows if not batch.requests[r].request.is_finished]
+        states = [batch.requests[r] for r in rows]
+        request_ids = [s.request.request_id for s in states]
+        if not rows:
+            prompt_logprobs = self._prompt_logprobs(hidden, host, batch)
+            return PendingOutput.ready(ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs))
         with self.profiler.section("logits"):
             logits = self.model.compute_logits(self._last_hidden(hidden, host, rows))
-        states = [batch.requests[r] for r in rows]
         with self.profiler.section("grammar"):
             self.grammar_bitmask.apply_to(logits, [s.request for s in states])
         with self.profiler.section("sampling"):
-            sampled = self.sampler(logits, [s.sampling_row() for s in states])
-            request_ids = [s.request.request_id for s in states]
-            logprobs = {
-                rid: lp
-                for rid, lp in zip(request_ids, sampled.logprobs, strict=True)
-                if lp is not None
-            }
+            sampling_rows = [s.sampling_row() for s in states]
+            tokens, logprobs = self.sampler.sample_on_device(logits, sampling_rows)
+            self._last_sampled = tokens
+            self._last_sampled_rows = {rid: i for i, rid in enumerate(request_ids)}
+            num_top = [r.params.logprobs for r in sampling_rows]
             prompt_logprobs = self._prompt_logprobs(hidden, host, batch)
-        return ModelRunnerOutput(
-            dict(zip(request_ids, sampled.token_ids, strict=True)), logprobs, prompt_logprobs
-        )
+            return PendingOutput(request_ids, tokens, logprobs, num_top, prompt_logprobs)
 
     def _last_hidden(
         self, hidden: torch.Tensor, host: StepMetadata, rows: list[int]
@@ -168,7 +293,7 @@ class ModelRunner:
             # states are already those rows.
             return hidden
         last_tokens = host.qo_indptr[1:][rows].astype(np.int64) - 1
-        return hidden[torch.from_numpy(last_tokens).to(self.device)]
+        return hidden[self._to_device(torch.from_numpy(last_tokens))]
 
     def _pool(
         self, hidden: torch.Tensor, host: StepMetadata, batch: StepBatch

@@ -11,7 +11,9 @@ comes back to the host.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -46,6 +48,16 @@ class LogprobTensors:
     top_values: torch.Tensor | None
     top_ids: torch.Tensor | None
 
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> LogprobTensors:
+        """The same fields, each passed through `fn`."""
+        values, ids = self.top_values, self.top_ids
+        return LogprobTensors(
+            fn(self.chosen),
+            fn(self.ranks),
+            None if values is None else fn(values),
+            None if ids is None else fn(ids),
+        )
+
 
 class Sampler:
     def __init__(self, vocab_size: int) -> None:
@@ -54,17 +66,25 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """logits: (n, vocab) float32, one row per request. Does not mutate `logits`."""
+        tokens, tensors = self.sample_on_device(logits, rows)
+        token_list = tokens.tolist()
+        logprobs: list[Logprobs | None] = [None] * len(rows)
+        if tensors is not None:
+            logprobs = to_logprobs(tensors, token_list, [r.params.logprobs for r in rows])
+        return SamplerOutput(token_list, logprobs)
+
+    def sample_on_device(
+        self, logits: torch.Tensor, rows: list[SamplingRow]
+    ) -> tuple[torch.Tensor, LogprobTensors | None]:
+        """(n,) sampled token ids and, where a row asked for logprobs, their tensors, all
+        on the logits' device: nothing waits for the device."""
         logits = logits[:, : self.vocab_size]
         want_logprobs = any(r.params.logprobs is not None for r in rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         tokens = self.sample(logits, rows)
-        token_list = tokens.tolist()
-        logprobs: list[Logprobs | None] = [None] * len(rows)
-        if raw_logprobs is not None:
-            num_top = [r.params.logprobs for r in rows]
-            tensors = logprob_tensors(raw_logprobs, tokens, num_top)
-            logprobs = to_logprobs(tensors, token_list, num_top)
-        return SamplerOutput(token_list, logprobs)
+        if raw_logprobs is None:
+            return tokens, None
+        return tokens, logprob_tensors(raw_logprobs, tokens, [r.params.logprobs for r in rows])
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """(n,) sampled token ids on the logits' device. Does not mutate `logits`."""
@@ -72,7 +92,7 @@ class Sampler:
             logits = self._process(logits.clone(), rows)
         tokens = argmax_rows(logits)
         if not all(r.params.greedy for r in rows):
-            greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
+            greedy = device_tensor([r.params.greedy for r in rows], logits.device)
             sampled = self._sample(logits, rows)
             tokens = torch.where(greedy, tokens, sampled)
         return tokens
@@ -85,13 +105,11 @@ class Sampler:
                 continue
             params = row.params
             if params.logit_bias:
-                ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=device)
-                bias = torch.tensor(
-                    list(params.logit_bias.values()), dtype=logits.dtype, device=device
-                )
+                ids = device_tensor(list(params.logit_bias), device, torch.long)
+                bias = device_tensor(list(params.logit_bias.values()), device, logits.dtype)
                 logits[i].index_add_(0, ids, bias)
             if len(row.output_token_ids) < params.min_tokens and row.stop_token_ids:
-                stops = torch.tensor(row.stop_token_ids, dtype=torch.long, device=device)
+                stops = device_tensor(row.stop_token_ids, device, torch.long)
                 logits[i].index_fill_(0, stops, _MASK)
             if params.needs_penalties:
                 apply_penalties(logits[i], row)
@@ -99,16 +117,14 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         device = logits.device
-        temperature = torch.tensor(
-            [1.0 if r.params.greedy else r.params.temperature for r in rows],
-            dtype=logits.dtype,
-            device=device,
+        temperature = device_tensor(
+            [1.0 if r.params.greedy else r.params.temperature for r in rows], device, logits.dtype
         )
         logits = logits / temperature[:, None]
         logits = filter_top_k_top_p(logits, rows)
         probs = torch.softmax(logits, dim=-1)
         if any(r.params.min_p > 0 for r in rows):
-            min_p = torch.tensor([r.params.min_p for r in rows], dtype=probs.dtype, device=device)
+            min_p = device_tensor([r.params.min_p for r in rows], device, probs.dtype)
             threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < threshold, 0.0)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, and a tiny change
@@ -120,8 +136,22 @@ class Sampler:
             if row.params.seed is not None:
                 gen = torch.Generator().manual_seed(step_seed(row.params.seed, row))
                 seeded = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=gen)
-                noise[i] = seeded.to(device)
+                if device.type == "cuda":  # without waiting for the device's queue
+                    seeded = seeded.pin_memory().to(device, non_blocking=True)
+                noise[i] = seeded
         return argmax_rows(probs / noise)
+
+
+def device_tensor(
+    data: Sequence[Any], device: torch.device, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """A host list as a tensor on `device`. On CUDA it goes through pinned memory without
+    blocking: a blocking copy would wait for everything queued on the device, the next
+    step's forward among it under async scheduling."""
+    tensor = torch.tensor(data, dtype=dtype)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -155,16 +185,14 @@ def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
     params = row.params
     vocab, device = logits.shape[0], logits.device
     if params.repetition_penalty != 1.0:
-        seen_ids = torch.tensor(
-            row.prompt_token_ids + row.output_token_ids, dtype=torch.long, device=device
-        )
+        seen_ids = device_tensor(row.prompt_token_ids + row.output_token_ids, device, torch.long)
         seen = torch.zeros(vocab, dtype=torch.bool, device=device).index_fill_(0, seen_ids, True)
         penalised = torch.where(
             logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty
         )
         logits.copy_(torch.where(seen, penalised, logits))
     if row.output_token_ids and (params.frequency_penalty or params.presence_penalty):
-        out_ids = torch.tensor(row.output_token_ids, dtype=torch.long, device=device)
+        out_ids = device_tensor(row.output_token_ids, device, torch.long)
         counts = torch.zeros(vocab, dtype=logits.dtype, device=device)
         counts.index_add_(0, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
@@ -178,12 +206,12 @@ def filter_top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.T
     use_k, use_p = any(k < vocab for k in k_values), any(p < 1.0 for p in p_values)
     if not (use_k or use_p):
         return logits
-    top_k = torch.tensor(k_values, device=device)
+    top_k = device_tensor(k_values, device)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=device)[None, :]
     drop = ranks >= top_k[:, None]
     if use_p:
-        top_p = torch.tensor(p_values, dtype=logits.dtype, device=device)
+        top_p = device_tensor(p_values, device, logits.dtype)
         probs = torch.softmax(sorted_logits.masked_fill(drop, _MASK), dim=-1)
         # Keep a token while the mass before it is below top_p; the first always stays.
         mass_before = probs.cumsum(dim=-1) - probs
@@ -228,5 +256,5 @@ def collect_logprobs(
     logprobs: torch.Tensor, tokens: list[int], num_top: list[int | None]
 ) -> list[Logprobs | None]:
     """The chosen tokens' logprobs and ranks plus each row's top-n alternatives."""
-    token_tensor = torch.tensor(tokens, dtype=torch.long, device=logprobs.device)
+    token_tensor = device_tensor(tokens, logprobs.device, torch.long)
     return to_logprobs(logprob_tensors(logprobs, token_tensor, num_top), tokens, num_top)

@@ -180,18 +180,74 @@ def gpu_llm(path: Path, **kwargs: object) -> LLM:
 
 @pytest.mark.parametrize(
     "mode",
-    ["cuda-graphs", "eager", "chunked-prefill"],
+    ["cuda-graphs", "eager", "chunked-prefill", "preempted", "synchronous"],
 )
 def test_greedy_matches_transformers(gpu_model, mode: str) -> None:
+    """Async scheduling is on by default on CUDA; "synchronous" turns it off."""
     path, prompts, (reference, margins) = gpu_model
     kwargs: dict[str, object] = {
         "cuda-graphs": {},
         "eager": {"enforce_eager": True},
         "chunked-prefill": {"max_num_batched_tokens": 16},
+        "preempted": {"num_kv_blocks": 10, "max_model_len": 160},
+        "synchronous": {"async_scheduling": False},
     }[mode]
     llm = gpu_llm(path, **kwargs)
     assert llm.config.device.attention_backend == "flashinfer"
     assert bool(llm.config.device.cuda_graph_sizes) == (mode != "eager")
+    assert llm.core.async_scheduling == (mode != "synchronous")
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert_greedy_matches(ours, reference, margins)
+    if mode == "preempted":
+        assert llm.core.scheduler.total_preemptions > 0
+
+
+def test_async_scheduling_keeps_stops_logprobs_and_seeds(gpu_model) -> None:
+    """With async scheduling on CUDA: a request that stops on a token ends on its first
+    occurrence (the row the next step ran for it is dropped), length-limited requests with
+    logprobs get one entry a token, greedy tokens are transformers' up to near ties, and
+    a second run gives the same outputs, seeded samples included."""
+    path, prompts, (reference, margins) = gpu_model
+    stop = reference[0][2]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[stop]),
+        SamplingParams(temperature=0.0, max_tokens=3, logprobs=2, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_k=20, seed=11, max_tokens=10, ignore_eos=True),
+    ] * 2
+    llm = gpu_llm(path)
+    assert llm.core.async_scheduling
+
+    def run() -> list[tuple[list[int], str | None, list[float]]]:
+        outputs = llm.generate(prompts[: len(params)], params)
+        return [
+            (c.token_ids, c.finish_reason, [lp.logprob for lp in c.logprobs or []])
+            for c in (o.outputs[0] for o in outputs)
+        ]
+
+    first, second = run(), run()
+    assert [(t, r) for t, r, _ in first] == [(t, r) for t, r, _ in second]
+    for (tokens, reason, logprobs), param, ref, gaps in zip(
+        first, params, reference, margins, strict=False
+    ):
+        if param.stop_token_ids and reason == "stop":
+            assert tokens.index(stop) == len(tokens) - 1
+        if param.temperature == 0.0:
+            n = len(tokens)
+            assert_greedy_matches([tokens], [ref[:n]], [gaps[:n]])
+        if param.logprobs:
+            assert reason == "length" and len(tokens) == len(logprobs) == 3
+    assert first[0][1] == "stop" or stop not in first[0][0]
+
+
+def test_mixture_of_experts_matches_transformers(tmp_path: Path) -> None:
+    """A Qwen3-MoE on CUDA (its experts run eagerly, so no CUDA graphs): greedy tokens as
+    transformers' in float32, up to near ties."""
+    path = make_gpu_model("qwen3_moe", tmp_path)
+    prompts = make_prompts(1, LENGTHS)
+    reference, margins = hf_greedy_with_margins(path, prompts, 12)
+    llm = gpu_llm(path)
+    assert not llm.config.device.cuda_graph_sizes
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert_greedy_matches(ours, reference, margins)
