@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from engine.config import EngineArgs, EngineHooks
+from engine.config import EngineArgs, EngineHooks, check_scheduling_options
 from engine.cpu_share import ThreadTimes, own_cgroup_cpu_dir, read_throttling
 from engine.errors import EngineClosedError, EngineDeadError, RequestValidationError
 from engine.introspection import (
@@ -83,6 +83,7 @@ __all__ = [
     "ThreadTimes",
     "cache_root",
     "check_cpu_kernels",
+    "check_scheduling_options",
     "describe_setup",
     "own_cgroup_cpu_dir",
     "prepare_default_model",

@@ -20,6 +20,7 @@ from engine.models.hf_config import (
     resolve_model_path,
 )
 from engine.pooling import TASKS, PoolerConfig, read_pooler_config, resolve_task
+from engine.spec_decode import SpeculativeConfig, parse_speculative_config
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
@@ -76,6 +77,14 @@ class EngineArgs:
         "schedule and launch each step before the last one's output is applied, so that on a "
         "GPU the host's work overlaps the device's (default: on for CUDA, off on CPU, where "
         "the forward pass runs on the same cores and nothing overlaps)",
+    )
+    speculative_config: str | None = _arg(
+        None,
+        "speculative decoding, as vLLM's --speculative-config: a JSON object such as "
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
+        '"prompt_lookup_max": 5} (drafts from the request\'s own earlier tokens; prompt_lookup '
+        "bounds default to 2 and 5); greedy output is unchanged and sampled output keeps its "
+        "distribution; turns async scheduling off",
     )
     num_threads: int | None = _arg(None, "torch CPU threads (default: the CPUs available)")
     cpu_isa: str = _arg(
@@ -283,6 +292,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     cache: CacheConfig
     quant: QuantConfig = QuantConfig()
+    speculative: SpeculativeConfig | None = None
 
     def facts(self) -> list[tuple[str, str]]:
         return runtime_facts(self.device, self.quant)
@@ -295,6 +305,8 @@ class EngineConfig:
         return (
             f"{self.model.name}{task}: {facts}, {c.num_blocks} KV blocks of {c.block_size} tokens, "
             f"max_model_len {s.max_model_len}, step budget {s.max_num_batched_tokens} tokens"
+            + ("" if self.speculative is None else f", speculative {self.speculative.describe()}")
+            + (", async scheduling" if s.async_scheduling else "")
         )
 
 
@@ -365,20 +377,35 @@ def resolve_scheduler_config(
     args: EngineArgs, model: ModelConfig, device_type: str
 ) -> SchedulerConfig:
     budget = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS[device_type]
-    check_async_scheduling(args)
+    check_scheduling_options(args)
     overlap = args.async_scheduling
     if overlap is None:
-        overlap = device_type == "cuda" and args.tensor_parallel_size == 1
+        overlap = (
+            device_type == "cuda"
+            and args.tensor_parallel_size == 1
+            and args.speculative_config is None
+        )
     return SchedulerConfig(args.max_num_seqs, budget, model.max_model_len, overlap)
 
 
-def check_async_scheduling(args: EngineArgs) -> None:
-    """Raises ValueError where --async-scheduling cannot run."""
+def check_scheduling_options(args: EngineArgs) -> None:
+    """Raises ValueError where --async-scheduling or --speculative-config cannot run."""
     if args.async_scheduling and args.tensor_parallel_size > 1:
         raise ValueError(
             "--async-scheduling does not run with --tensor-parallel-size > 1: the workers "
             "take each step's input ids from the host, which has not seen the last tokens yet"
         )
+    if parse_speculative_config(args.speculative_config) is None:
+        return
+    if args.async_scheduling:
+        raise ValueError(
+            "--speculative-config does not run with --async-scheduling: drafts are proposed "
+            "from the tokens the last step accepted"
+        )
+    if args.tensor_parallel_size > 1:
+        raise ValueError("--speculative-config does not run with --tensor-parallel-size > 1")
+    if args.task == "embed":
+        raise ValueError("--speculative-config is for generation; --task embed samples nothing")
 
 
 def _max_model_len(requested: int | None, arch: ModelArch) -> int:

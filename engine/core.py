@@ -18,7 +18,7 @@ from engine.config import (
     EngineArgs,
     EngineConfig,
     EngineHooks,
-    check_async_scheduling,
+    check_scheduling_options,
     load_tokenizer,
     resolve_model_config,
     resolve_scheduler_config,
@@ -31,6 +31,7 @@ from engine.pooling import check_task
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler, SchedulerStats, StepResult
 from engine.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from engine.spec_decode import NgramProposer, parse_speculative_config
 from engine.structured_output import StructuredOutputManager
 from engine.worker.model_runner import ModelRunner, PendingOutput
 
@@ -69,6 +70,10 @@ class EngineCore:
         # yet, with its sampled tokens on their way to the host.
         self.async_scheduling = config.scheduler.async_scheduling and runner.pooler is None
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
+        spec = config.speculative
+        self.proposer = None
+        if spec is not None:
+            self.proposer = NgramProposer(spec, config.scheduler.max_model_len)
 
     @classmethod
     def from_args(cls, args: EngineArgs, hooks: EngineHooks | None = None) -> EngineCore:
@@ -77,7 +82,7 @@ class EngineCore:
         from engine.worker.worker import Worker
 
         hooks = hooks or EngineHooks()
-        check_async_scheduling(args)
+        check_scheduling_options(args)
         events_config = KVEventsConfig.from_json(args.kv_events_config)
         model_config = resolve_model_config(args)
         worker = Worker(args, model_config)
@@ -89,8 +94,14 @@ class EngineCore:
             worker.num_kv_blocks(args, scheduler_config),
             args.enable_prefix_caching,
         )
+        speculative = parse_speculative_config(args.speculative_config)
         config = EngineConfig(
-            model_config, worker.device_config, scheduler_config, cache_config, worker.quant_config
+            model_config,
+            worker.device_config,
+            scheduler_config,
+            cache_config,
+            worker.quant_config,
+            speculative,
         )
         logger.info("engine: %s", config.describe())
         runner = worker.create_runner(cache_config, hooks.profile)
@@ -156,6 +167,8 @@ class EngineCore:
                 self._wait_for_grammars()
             runner_output = self.runner.execute(scheduler_output)
             result = self.scheduler.update_from_output(scheduler_output, runner_output)
+            if self.proposer is not None:
+                self.proposer.propose(self.scheduler.running)
         if self.hooks.check_invariants:
             self.scheduler.kv_cache.check_invariants()
         if self.kv_events is not None:

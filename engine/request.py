@@ -68,6 +68,8 @@ class Request:
     # Tokens sampled in a step that is still running, their ids not yet known: with async
     # scheduling the next step is scheduled before the last one's tokens come back.
     num_output_placeholders: int = 0
+    # Speculative decoding: the proposer's drafts of the next tokens, verified next step.
+    spec_token_ids: list[int] = field(default_factory=list)
     # Tokens served from the prefix cache when the request was first scheduled (-1: not yet).
     num_cached_tokens: int = -1
     num_preemptions: int = 0

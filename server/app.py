@@ -119,6 +119,8 @@ def create_app(
         )
         cache, scheduler = loaded.config.cache, loaded.config.scheduler
         metrics.set_cache_config(cache.block_size, cache.num_blocks, cache.enable_prefix_caching)
+        if loaded.config.speculative is not None:
+            metrics.set_speculative(loaded.config.speculative.num_speculative_tokens)
         limits = QueueLimits.resolve(
             settings.max_num_queued_reqs,
             settings.max_num_queued_tokens,

@@ -148,7 +148,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ServerSettings, EngineA
 
 
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> NoReturn:
-    from engine import check_cpu_kernels
+    from engine import check_cpu_kernels, check_scheduling_options
     from server.runner import run_server
 
     try:
@@ -163,6 +163,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> NoRetur
         )
     try:
         check_cpu_kernels(engine_args)
+        check_scheduling_options(engine_args)
     except ValueError as exc:
         parser.error(str(exc))
     code = run_server(settings, engine_args)

@@ -118,6 +118,21 @@ class ServerMetrics:
         self.iteration_tokens = hist(
             "vllm:iteration_tokens_total", "Tokens scheduled per engine step.", TOKEN_BUCKETS
         )
+        # Speculative decoding (--speculative-config), under vLLM's names.
+        self.spec_drafts = counter(
+            "vllm:spec_decode_num_drafts", "Requests that verified drafts, summed over steps."
+        )
+        self.spec_draft_tokens = counter(
+            "vllm:spec_decode_num_draft_tokens", "Draft tokens verified."
+        )
+        self.spec_accepted = counter(
+            "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted."
+        )
+        self.spec_accepted_per_pos = counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by their position among a step's drafts (0: the first).",
+            "position",
+        )
         self.request_prompt_tokens = hist(
             "vllm:request_prompt_tokens", "Prompt length per request.", TOKEN_BUCKETS
         )
@@ -187,6 +202,8 @@ class ServerMetrics:
                 preemptions.inc(stats.num_preemptions)
             if stats.num_scheduled_tokens:
                 iteration_tokens.observe(stats.num_scheduled_tokens)
+            if stats.spec_num_drafts:
+                self._record_drafts(stats)
         if iteration.num_generation_tokens:
             generation_tokens.inc(iteration.num_generation_tokens)
         for value in iteration.time_to_first_tokens:
@@ -197,6 +214,19 @@ class ServerMetrics:
             queue_time.observe(value)
         for finished in iteration.finished:
             self._record_finished(finished)
+
+    def set_speculative(self, num_speculative_tokens: int) -> None:
+        """With speculation on, every draft position's series exists from the start."""
+        for position in range(num_speculative_tokens):
+            self.spec_accepted_per_pos.labels(self.model_name, str(position))
+
+    def _record_drafts(self, stats: SchedulerStats) -> None:
+        name = self.model_name
+        self.spec_drafts.labels(name).inc(stats.spec_num_drafts)
+        self.spec_draft_tokens.labels(name).inc(stats.spec_num_draft_tokens)
+        self.spec_accepted.labels(name).inc(stats.spec_num_accepted_tokens)
+        for position, count in enumerate(stats.spec_accepted_per_pos):
+            self.spec_accepted_per_pos.labels(name, str(position)).inc(count)
 
     def _record_finished(self, finished: FinishedRequestStats) -> None:
         name = self.model_name

@@ -24,6 +24,8 @@ class ScheduledRequest:
     # scheduled, or resumed after preemption) the request's whole table, replacing any old one.
     block_ids: list[int]
     new_table: bool = False
+    # Speculative decoding: draft tokens scheduled after the request's known tokens.
+    spec_token_ids: tuple[int, ...] = ()
 
     @property
     def request_id(self) -> str:
@@ -58,6 +60,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
     # An embedding engine's: each request that finished its prefill, its embedding.
     pooled: dict[str, list[float]] = field(default_factory=dict)
+    # Speculative decoding: the drafts accepted, which precede the sampled token.
+    accepted_draft_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,12 @@ class SchedulerStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    # Speculative decoding, over this step: requests verifying drafts, drafts verified,
+    # drafts accepted, and accepted drafts by position (index 0: the first draft).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

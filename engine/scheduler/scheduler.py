@@ -48,6 +48,10 @@ class Scheduler:
         self._last_queries = 0
         self._last_hits = 0
         self._failed: list[EngineCoreOutput] = []
+        # Speculative decoding since the last stats(): [requests with drafts, drafts,
+        # accepted drafts], and accepted drafts by position.
+        self._spec_counts = [0, 0, 0]
+        self._spec_accepted_per_pos: list[int] = []
 
     # ---- between steps -------------------------------------------------------------
 
@@ -97,9 +101,8 @@ class Scheduler:
             if self._ends_with_placeholders(request):
                 i += 1
                 continue
-            num_new = min(
-                request.num_tokens_with_placeholders - request.num_computed_tokens, budget
-            )
+            ahead = request.num_tokens_with_placeholders + len(request.spec_token_ids)
+            num_new = min(ahead - request.num_computed_tokens, budget)
             new_blocks = self.kv_cache.allocate_slots(request, num_new)
             while new_blocks is None:
                 victim = self.running.pop()
@@ -143,15 +146,18 @@ class Scheduler:
     def _scheduled(
         request: Request, num_new: int, block_ids: list[int], new_table: bool = False
     ) -> ScheduledRequest:
-        """The step's entry for `request`; advances its computed tokens, and counts the
-        token it samples (it reaches the end of its tokens) as a placeholder until the
-        step's output comes back."""
+        """The step's entry for `request`, with the drafts that fit (speculative decoding);
+        advances its computed tokens, and counts the token it samples (it reaches the end
+        of its tokens) as a placeholder until the step's output comes back."""
+        end = request.num_tokens_with_placeholders
+        num_drafts = max(0, request.num_computed_tokens + num_new - end)
+        drafts = tuple(request.spec_token_ids[:num_drafts])
+        request.spec_token_ids = []
         entry = ScheduledRequest(
-            request, num_new, request.num_computed_tokens, block_ids, new_table
+            request, num_new, request.num_computed_tokens, block_ids, new_table, drafts
         )
         request.num_computed_tokens += num_new
-        end = request.num_tokens_with_placeholders
-        if request.num_computed_tokens == end and request.pooling_params is None:
+        if request.num_computed_tokens >= end and request.pooling_params is None:
             request.num_output_placeholders += 1
         return entry
 
@@ -205,6 +211,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        request.spec_token_ids = []
         self._num_preemptions += 1
         self.total_preemptions += 1
         self.waiting.appendleft(request)
@@ -223,6 +230,8 @@ class Scheduler:
                 continue
             if entry.request_id in runner_output.sampled_token_ids:
                 request.num_output_placeholders -= 1
+            if entry.spec_token_ids:
+                self._count_drafts(request, entry, runner_output)
             output = self._apply_output(request, entry.num_computed_tokens, runner_output)
             if output is not None:
                 outputs.append(output)
@@ -231,6 +240,23 @@ class Scheduler:
         if any(r.is_finished for r in self.waiting):
             self.waiting = deque(r for r in self.waiting if not r.is_finished)
         return StepResult(outputs, self.stats(scheduler_output.total_num_scheduled_tokens))
+
+    def _count_drafts(
+        self, request: Request, entry: ScheduledRequest, runner_output: ModelRunnerOutput
+    ) -> None:
+        """Rolls the request's computed tokens back over its rejected drafts (their KV
+        slots are written again later), and counts the drafts for the metrics."""
+        accepted = len(runner_output.accepted_draft_ids.get(request.request_id, ()))
+        drafted = len(entry.spec_token_ids)
+        request.num_computed_tokens -= drafted - accepted
+        counts = self._spec_counts
+        counts[0] += 1
+        counts[1] += drafted
+        counts[2] += accepted
+        per_pos = self._spec_accepted_per_pos
+        per_pos.extend([0] * (accepted - len(per_pos)))
+        for i in range(accepted):
+            per_pos[i] += 1
 
     def _apply_output(
         self, request: Request, start: int, runner_output: ModelRunnerOutput
@@ -245,19 +271,27 @@ class Scheduler:
             if not prompt_logprobs:
                 return None
             return EngineCoreOutput(request_id, [], prompt_logprobs=prompt_logprobs)
-        request.append_output_token(token)
-        # A complete grammar allows nothing more: the request ends as a normal stop.
-        if request.structured is not None and request.structured.advance(token):
-            status: RequestStatus | None = RequestStatus.FINISHED_STOPPED
-        else:
-            status = self._stop_status(request, token)
+        # Accepted drafts first (speculative decoding), up to the first that ends it.
+        tokens = [*runner_output.accepted_draft_ids.get(request_id, ()), token]
+        first = request.num_output_tokens == 0
+        new_tokens = []
+        status: RequestStatus | None = None
+        for token in tokens:
+            request.append_output_token(token)
+            new_tokens.append(token)
+            # A complete grammar allows nothing more: the request ends as a normal stop.
+            if request.structured is not None and request.structured.advance(token):
+                status = RequestStatus.FINISHED_STOPPED
+            else:
+                status = self._stop_status(request, token)
+            if status is not None:
+                break
         if status is not None:
             self._finish(request, status)
         logprobs = runner_output.logprobs.get(request_id)
-        first = request.num_output_tokens == 1
         return EngineCoreOutput(
             request_id,
-            [token],
+            new_tokens,
             finish_reason=status.finish_reason if status else None,
             stop_reason=request.stop_reason,
             new_logprobs=[logprobs] if logprobs is not None else [],
@@ -334,7 +368,13 @@ class Scheduler:
             prefix_cache_queries=counters.queries - self._last_queries,
             prefix_cache_hits=counters.hits - self._last_hits,
             num_preemptions=self._num_preemptions,
+            spec_num_drafts=self._spec_counts[0],
+            spec_num_draft_tokens=self._spec_counts[1],
+            spec_num_accepted_tokens=self._spec_counts[2],
+            spec_accepted_per_pos=tuple(self._spec_accepted_per_pos),
         )
+        self._spec_counts = [0, 0, 0]
+        self._spec_accepted_per_pos = []
         self._last_queries, self._last_hits = counters.queries, counters.hits
         self._num_preemptions = 0
         return stats

@@ -47,6 +47,9 @@ class StepBatch:
     # (position in input_ids, request id) of each input token the host does not know yet:
     # with async scheduling, the one the step before is still sampling for the request.
     placeholders: list[tuple[int, str]]
+    # Per row, the draft tokens it verifies (speculative decoding): its last num_drafts + 1
+    # positions each sample a token.
+    num_drafts: list[int]
 
     @property
     def block_ids(self) -> list[list[int]]:
@@ -67,6 +70,7 @@ class InputBatch:
         states, chunks, computed, new = [], [], [], []
         sample_rows, prompt_rows = [], []
         placeholders: list[tuple[int, str]] = []
+        num_drafts: list[int] = []
         offset = 0
         for row, entry in enumerate(scheduler_output.scheduled):
             if entry.new_table:
@@ -77,11 +81,13 @@ class InputBatch:
             request = state.request
             start, end = entry.num_computed_tokens, entry.num_computed_tokens + entry.num_new_tokens
             states.append(state)
-            chunk = request.all_token_ids[start:end]
-            if end > request.num_tokens:  # the last token is still being sampled
+            drafts = entry.spec_token_ids
+            chunk = request.all_token_ids[start : end - len(drafts)]
+            if end - len(drafts) > request.num_tokens:  # the last token is being sampled
                 placeholders.append((offset + len(chunk), request.request_id))
                 chunk = [*chunk, 0]
-            chunks.append(chunk)
+            chunks.append([*chunk, *drafts] if drafts else chunk)
+            num_drafts.append(len(drafts))
             computed.append(start)
             new.append(entry.num_new_tokens)
             offset += entry.num_new_tokens
@@ -92,7 +98,9 @@ class InputBatch:
                 prompt_rows.append(row)
         # chain() iterates in C: no Python-level loop per token, even for long prefills.
         input_ids = np.fromiter(chain.from_iterable(chunks), dtype=np.int64, count=offset)
-        return StepBatch(states, input_ids, computed, new, sample_rows, prompt_rows, placeholders)
+        return StepBatch(
+            states, input_ids, computed, new, sample_rows, prompt_rows, placeholders, num_drafts
+        )
 
     def _create(self, request: Request, block_ids: list[int]) -> CachedRequestState:
         params = request.sampling_params

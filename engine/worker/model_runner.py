@@ -69,8 +69,12 @@ class PendingOutput:
         logprobs: LogprobTensors | None,
         num_top: list[int | None],
         prompt_logprobs: dict[str, list[Logprobs]],
+        verified: tuple[dict[str, int], dict[str, list[int]]] = ({}, {}),
     ) -> None:
+        """`verified`: the tokens and accepted drafts of the rows that verified drafts
+        (speculative decoding), already on the host."""
         self._request_ids = request_ids
+        self._verified = verified
         self._num_top = num_top
         self._prompt_logprobs = prompt_logprobs
         self._copied: torch.cuda.Event | None = None
@@ -105,8 +109,10 @@ class PendingOutput:
                 for rid, lp in zip(self._request_ids, entries, strict=True)
                 if lp is not None
             }
+        verified_tokens, accepted = self._verified
+        sampled = dict(zip(self._request_ids, tokens, strict=True)) | verified_tokens
         self._result = ModelRunnerOutput(
-            dict(zip(self._request_ids, tokens, strict=True)), logprobs, self._prompt_logprobs
+            sampled, logprobs, self._prompt_logprobs, accepted_draft_ids=accepted
         )
         return self._result
 
@@ -265,12 +271,15 @@ class ModelRunner:
         return AttentionMetadata(host, *fields), ids
 
     def _sample(self, hidden: torch.Tensor, host: StepMetadata, batch: StepBatch) -> PendingOutput:
-        rows = [r for r in batch.sample_rows if not batch.requests[r].request.is_finished]
+        live = [r for r in batch.sample_rows if not batch.requests[r].request.is_finished]
+        rows = [r for r in live if not batch.num_drafts[r]]
+        verified = self._verify(hidden, host, batch, [r for r in live if batch.num_drafts[r]])
         states = [batch.requests[r] for r in rows]
         request_ids = [s.request.request_id for s in states]
         if not rows:
             prompt_logprobs = self._prompt_logprobs(hidden, host, batch)
-            return PendingOutput.ready(ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs))
+            output = ModelRunnerOutput(verified[0], {}, prompt_logprobs, {}, verified[1])
+            return PendingOutput.ready(output)
         with self.profiler.section("logits"):
             logits = self.model.compute_logits(self._last_hidden(hidden, host, rows))
         with self.profiler.section("grammar"):
@@ -282,7 +291,33 @@ class ModelRunner:
             self._last_sampled_rows = {rid: i for i, rid in enumerate(request_ids)}
             num_top = [r.params.logprobs for r in sampling_rows]
             prompt_logprobs = self._prompt_logprobs(hidden, host, batch)
-            return PendingOutput(request_ids, tokens, logprobs, num_top, prompt_logprobs)
+            return PendingOutput(request_ids, tokens, logprobs, num_top, prompt_logprobs, verified)
+
+    def _verify(
+        self, hidden: torch.Tensor, host: StepMetadata, batch: StepBatch, rows: list[int]
+    ) -> tuple[dict[str, int], dict[str, list[int]]]:
+        """Speculative decoding: each of `rows` verifies its drafts on the logits of its
+        last num_drafts + 1 positions. Returns the token each samples after the drafts it
+        accepts, and those drafts, by request id."""
+        if not rows:
+            return {}, {}
+        ends = host.qo_indptr[1:]
+        spans = [(int(ends[r]) - batch.num_drafts[r] - 1, int(ends[r])) for r in rows]
+        positions = np.concatenate([np.arange(a, b) for a, b in spans])
+        with self.profiler.section("logits"):
+            logits = self.model.compute_logits(hidden[self._to_device(torch.from_numpy(positions))])
+        tokens, accepted = {}, {}
+        with self.profiler.section("sampling"):
+            first = 0
+            for r, (a, b) in zip(rows, spans, strict=True):
+                state = batch.requests[r]
+                drafts = batch.input_ids[b - batch.num_drafts[r] : b].tolist()
+                rid = state.request.request_id
+                accepted[rid], tokens[rid] = self.sampler.verify(
+                    logits[first : first + b - a], state.sampling_row(), drafts
+                )
+                first += b - a
+        return tokens, accepted
 
     def _last_hidden(
         self, hidden: torch.Tensor, host: StepMetadata, rows: list[int]

@@ -50,6 +50,10 @@ EXPOSED_COUNTERS = frozenset(
         "pagedserve:api_requests_total",
         "pagedserve:engine_cpu_seconds_total",
         "pagedserve:engine_cpu_wait_seconds_total",
+        "vllm:spec_decode_num_drafts_total",
+        "vllm:spec_decode_num_draft_tokens_total",
+        "vllm:spec_decode_num_accepted_tokens_total",
+        "vllm:spec_decode_num_accepted_tokens_per_pos_total",
     }
 )
 EXPOSED_HISTOGRAMS = frozenset(

@@ -193,5 +193,7 @@ def test_dashboard_and_rules_name_only_scraped_metrics(traffic) -> None:
     scraped = {name for name, _ in samples(text)}
     referenced = referenced_metric_names()
     assert "vllm:num_requests_waiting" in referenced
-    # `up` is written by Prometheus itself for every target, not by the server.
-    assert referenced - scraped == {"up"}
+    # `up` is written by Prometheus itself for every target, not by the server; the series
+    # of each draft position exist only with --speculative-config (test_speculative.py).
+    per_position = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+    assert referenced - scraped == {"up", per_position}

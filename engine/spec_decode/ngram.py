@@ -1,0 +1,73 @@
+"""N-gram (prompt lookup) drafts: the tokens that followed the latest earlier occurrence of
+a request's last n tokens, in its own prompt and output (pure Python)."""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable
+
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.spec_decode.config import SpeculativeConfig
+
+
+def can_draft(params: SamplingParams) -> bool:
+    """Whether a request with these parameters takes drafts. Verification samples each
+    position from the same filtered distribution a plain step would (temperature, top-k,
+    top-p, min-p); what makes a position depend on the tokens drafted before it in the
+    same step (penalties, logit bias, min_tokens), a seed (whose draws are tied to the
+    output index), logprobs and grammars decode one token a step instead."""
+    return (
+        params.structured_outputs is None
+        and params.seed is None
+        and params.logprobs is None
+        and params.prompt_logprobs is None
+        and not params.logit_bias
+        and not params.needs_penalties
+        and params.min_tokens == 0
+    )
+
+
+class NgramProposer:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.k = config.num_speculative_tokens
+        self.low, self.high = config.prompt_lookup_min, config.prompt_lookup_max
+        self.max_model_len = max_model_len
+
+    def propose(self, requests: Iterable[Request]) -> None:
+        """Mutates each request's `spec_token_ids`: its drafts for the next step (none
+        for a request that cannot take them, or whose output could not use them)."""
+        for request in requests:
+            request.spec_token_ids = self._drafts(request)
+
+    def _drafts(self, request: Request) -> list[int]:
+        if request.is_finished or not can_draft(request.sampling_params):
+            return []
+        if request.num_computed_tokens != request.num_tokens - 1:
+            return []  # still prefilling: drafts come after the prompt is in the cache
+        # Room for the drafts and the step's own token, within max_tokens and the model.
+        room = self.max_model_len - request.num_tokens - 1
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens - 1)
+        if room <= 0:
+            return []
+        return find_continuation(request.all_token_ids, self.low, self.high, min(self.k, room))
+
+
+def find_continuation(tokens: list[int], low: int, high: int, k: int) -> list[int]:
+    """Up to `k` tokens that followed the latest earlier occurrence of the last n tokens,
+    for the largest n in [low, high] that occurs; [] if none does. The search runs over the
+    tokens' bytes (4 per token), in C."""
+    size = len(tokens)
+    data = array("I", tokens).tobytes()
+    for n in range(min(high, size - 1), low - 1, -1):
+        pattern = data[(size - n) * 4 :]
+        # An earlier occurrence ends at or before the last token, so one token follows it.
+        end = (size - 1) * 4
+        while (at := data.rfind(pattern, 0, end)) >= 0:
+            if at % 4 == 0:  # token-aligned, not the bytes of two tokens straddled
+                first = at // 4 + n
+                return tokens[first : first + k]
+            end = at + len(pattern) - 1  # the next candidate starts before this one
+    return []

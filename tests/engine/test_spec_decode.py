@@ -1,0 +1,257 @@
+"""Speculative decoding with n-gram drafts (--speculative-config): exact by construction.
+
+Greedy output equals transformers token for token in float32 with drafts verified alone,
+batched, chunked, from the prefix cache and after preemption; stops inside accepted drafts
+end the output where a plain step would; requests that cannot take drafts (logprobs,
+penalties, seeds, grammars) give exactly the plain engine's output; and rejection
+sampling draws each token from the filtered softmax, over many draws with a fixed seed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams, StructuredOutputsParams
+from engine.request import Request
+from engine.spec_decode import SpeculativeConfig, parse_speculative_config
+from engine.spec_decode.ngram import find_continuation
+from engine.worker.sampler import Sampler, SamplingRow
+from tests.engine.test_correctness import CHECKED, hf_greedy, make_prompts, tiny_llm
+from tests.tiny_models import make_tiny_model
+
+NGRAM = json.dumps(
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+)
+MAX_TOKENS = 24
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('{"method": "ngram", "num_speculative_tokens": 3}', SpeculativeConfig("ngram", 3, 2, 5)),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}',
+            SpeculativeConfig("ngram", 5, 2, 4),
+        ),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 7}',
+            SpeculativeConfig("ngram", 2, 7, 7),
+        ),
+        ("", None),
+    ],
+)
+def test_parses_vllms_spelling(text: str, expected: SpeculativeConfig | None) -> None:
+    assert parse_speculative_config(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("ngram", "not JSON"),
+        ("[1]", "JSON object"),
+        ('{"method": "suffix", "num_speculative_tokens": 3}', "not implemented yet"),
+        ('{"method": "draft_model", "model": "x", "num_speculative_tokens": 3}', "not impl"),
+        ('{"method": "foo", "num_speculative_tokens": 3}', "not one of"),
+        ('{"method": "ngram"}', "needs num_speculative_tokens"),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', "1-16"),
+        ('{"method": "ngram", "num_speculative_tokens": true}', "integer"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 4}', "keys"),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, '
+            '"prompt_lookup_max": 3}',
+            "min <= max",
+        ),
+    ],
+)
+def test_refuses_what_it_does_not_run(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_speculative_config(text)
+
+
+def test_finds_the_latest_earlier_occurrence_of_the_longest_suffix() -> None:
+    assert find_continuation([1, 2, 3, 9, 1, 2, 3, 4, 1, 2, 3], 1, 3, 2) == [4, 1]
+    assert find_continuation([5, 6, 7, 8, 6, 7], 1, 3, 5) == [8, 6, 7]  # the 2-gram 6 7
+    assert find_continuation([1, 2, 3], 1, 2, 3) == []
+    assert find_continuation([4, 4, 4], 2, 2, 3) == [4]  # 4 4 at 0, followed by one token
+    assert find_continuation([7, 1, 2], 2, 3, 3) == []  # below prompt_lookup_min
+    # Token 256's bytes (00 01 00 00) end where token 1's (01 00 00 00) start: a byte match
+    # across two tokens is not a token match.
+    assert find_continuation([256, 0, 9, 1, 0], 2, 2, 2) == []
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory):
+    path = make_tiny_model("llama", tmp_path_factory.mktemp("llama"))
+    # Prompts that repeat themselves, so their n-grams recur.
+    prompts = [p + p + p[:5] for p in make_prompts(1, [20, 30, 12, 17])]
+    return path, prompts, hf_greedy(path, prompts, MAX_TOKENS)
+
+
+def spec_llm(path: Path, **kwargs: object) -> LLM:
+    llm = tiny_llm(path, speculative_config=NGRAM, **kwargs)
+    assert llm.core.proposer is not None and not llm.core.async_scheduling
+    return llm
+
+
+def tokens_and_stats(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]):
+    """Each request's output tokens and finish reason, and the speculation counters."""
+    core = llm.core
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        core.add_request(Request(str(i), prompt, p))
+    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    reasons: dict[str, str | None] = {}
+    counts = [0, 0, 0]
+    per_pos: list[int] = []
+    while core.has_unfinished_requests():
+        result = core.step()
+        for o in result.outputs:
+            out[o.request_id].extend(o.new_token_ids)
+            if o.finished:
+                reasons[o.request_id] = o.finish_reason
+        s = result.stats
+        for j, v in enumerate((s.spec_num_drafts, s.spec_num_draft_tokens)):
+            counts[j] += v
+        counts[2] += s.spec_num_accepted_tokens
+        per_pos.extend([0] * (len(s.spec_accepted_per_pos) - len(per_pos)))
+        for j, v in enumerate(s.spec_accepted_per_pos):
+            per_pos[j] += v
+    assert core.scheduler.kv_cache.usage() == 0.0
+    outputs = [(out[str(i)], reasons[str(i)]) for i in range(len(prompts))]
+    return outputs, counts, per_pos
+
+
+@pytest.mark.parametrize("mode", ["batched", "alone", "chunked", "prefix-hits", "preempted"])
+def test_greedy_matches_transformers(model, mode: str) -> None:
+    path, prompts, reference = model
+    if mode == "preempted":
+        llm = spec_llm(path, num_kv_blocks=9, max_model_len=128)
+    else:
+        llm = spec_llm(path, max_num_batched_tokens=16 if mode == "chunked" else None)
+    params = [GREEDY] * len(prompts)
+    if mode == "alone":
+        outputs = [tokens_and_stats(llm, [p], [GREEDY])[0][0] for p in prompts]
+    elif mode == "prefix-hits":
+        tokens_and_stats(llm, prompts, params)  # fills the cache
+        outputs, *_ = tokens_and_stats(llm, prompts, params)
+        assert llm.core.scheduler.kv_cache.counters.hits > 0
+    else:
+        outputs, counts, per_pos = tokens_and_stats(llm, prompts, params)
+        drafts, drafted, accepted = counts
+        assert 0 < accepted <= drafted and drafts > 0
+        assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
+    assert [tokens for tokens, _ in outputs] == reference
+    if mode == "preempted":
+        assert llm.core.scheduler.total_preemptions > 0
+
+
+def test_stops_inside_accepted_drafts(model) -> None:
+    """A stop token, max_tokens or the model length reached inside a run of accepted
+    drafts ends the output there, as in plain steps."""
+    path, prompts, reference = model
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[reference[0][9]]),
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[reference[2][13]]),
+        SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
+    ]
+    plain, *_ = tokens_and_stats(tiny_llm(path, max_model_len=96), prompts, params)
+    spec, counts, _ = tokens_and_stats(spec_llm(path, max_model_len=96), prompts, params)
+    assert spec == plain and counts[2] > 0
+    assert [reason for _, reason in spec] == ["stop", "length", "stop", "length"]
+    assert len(prompts[1]) + len(spec[1][0]) == 96  # ended by the model length
+    assert len(spec[3][0]) == 7
+
+
+def test_requests_that_take_no_drafts_are_unchanged(model, tmp_path: Path) -> None:
+    """Logprobs, penalties, seeds and grammars decode one token a step: the same output as
+    without speculation, beside greedy requests that do take drafts."""
+    path, prompts, _ = model
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.4, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=5, max_tokens=12, ignore_eos=True),
+        GREEDY,
+    ]
+
+    def run(llm: LLM) -> list:
+        outputs = llm.generate(prompts, params)
+        return [
+            (o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs or []])
+            for o in outputs
+        ]
+
+    plain, spec_llm_ = run(tiny_llm(path)), spec_llm(path)
+    spec = run(spec_llm_)
+    assert [t for t, _ in spec] == [t for t, _ in plain]
+    assert spec[0][1] == pytest.approx(plain[0][1], abs=1e-5) and len(spec[0][1]) == 12
+
+    bytes_model = make_tiny_model("llama", tmp_path / "bytes", byte_level=True)
+    schema = {
+        "type": "object",
+        "properties": {"a": {"enum": ["xy", "z"]}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    constrained = SamplingParams(
+        temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema)
+    )
+    texts = []
+    for spec_config in (None, NGRAM):
+        llm = LLM(
+            str(bytes_model),
+            hooks=CHECKED,
+            dtype="float32",
+            num_kv_blocks=64,
+            max_model_len=256,
+            speculative_config=spec_config,
+        )
+        texts.append(llm.generate([[5, 6, 7, 5, 6, 7, 5, 6]], constrained)[0].outputs[0].text)
+    assert texts[0] == texts[1] and json.loads(texts[1])["a"] in ("xy", "z")
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.8),
+        SamplingParams(temperature=1.3, top_k=6),
+        SamplingParams(temperature=1.0, top_p=0.6),
+        SamplingParams(temperature=1.0, min_p=0.1),
+    ],
+    ids=["temperature", "top_k", "top_p", "min_p"],
+)
+def test_rejection_sampling_keeps_the_distribution(params: SamplingParams) -> None:
+    """Over 12000 verifications of two drafts (the first a likely token, the second not):
+    the first output token is distributed as the filtered softmax at the first position,
+    and the second, after an accepted first draft, as the one at the second position."""
+    torch.manual_seed(0)
+    vocab = 40
+    logits = torch.randn(3, vocab) * 2
+    sampler = Sampler(vocab)
+    row = SamplingRow(params, [1, 2], [], ())
+    probs = sampler.probabilities(logits, [row] * 3)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    drafts = [int(probs[0].argmax()), int(probs[1].argmin())]
+    first, second = torch.zeros(vocab), torch.zeros(vocab)
+    draws = 12000
+    for _ in range(draws):
+        accepted, token = sampler.verify(logits, row, drafts)
+        tokens = [*accepted, token]
+        first[tokens[0]] += 1
+        if tokens[0] == drafts[0]:
+            second[tokens[1]] += 1
+    assert (first / draws - probs[0]).abs().max() < 0.015
+    assert (second / second.sum() - probs[1]).abs().max() < 0.02
+    assert second[drafts[1]] / second.sum() == pytest.approx(probs[1, drafts[1]].item(), abs=0.01)
+
+
+def test_refused_where_it_cannot_run(model) -> None:
+    path = str(model[0])
+    with pytest.raises(ValueError, match="async-scheduling"):
+        LLM(path, dtype="float32", speculative_config=NGRAM, async_scheduling=True)
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        LLM(path, dtype="float32", speculative_config=NGRAM, tensor_parallel_size=2)

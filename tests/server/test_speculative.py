@@ -1,0 +1,57 @@
+"""Speculative decoding served (--speculative-config, the engine core in its own process):
+the openai SDK gets the same greedy text as from a server without it, streamed or not,
+and /metrics counts the drafts under vLLM's names."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.server.conftest import tiny_engine
+from tests.server.live import LiveServer
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+PROMPT = [11, 12, 13, 14, 15, 16, 11, 12, 13, 14, 15, 16, 11, 12, 13]
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_dir: Path) -> Iterator[tuple[LiveServer, LiveServer]]:
+    speculative = tiny_engine(
+        tiny_model_dir, speculative_config=json.dumps(SPEC), engine_in_process=False
+    )
+    with (
+        LiveServer(tiny_engine(tiny_model_dir), served_model_name="tiny") as plain,
+        LiveServer(speculative, served_model_name="tiny") as spec,
+    ):
+        yield plain, spec
+
+
+def client(server: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_same_text_and_counted_drafts(servers) -> None:
+    plain, spec = servers
+    body = dict(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0.0)
+    expected = client(plain).completions.create(**body)  # type: ignore[call-overload]
+    got = client(spec).completions.create(**body)  # type: ignore[call-overload]
+    assert got.choices[0].text == expected.choices[0].text
+    assert got.usage.completion_tokens == expected.usage.completion_tokens == 40
+    stream = client(spec).completions.create(stream=True, **body)  # type: ignore[call-overload]
+    assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == (
+        expected.choices[0].text
+    )
+    drafted = spec.metric("vllm:spec_decode_num_draft_tokens_total")
+    accepted = spec.metric("vllm:spec_decode_num_accepted_tokens_total")
+    assert spec.metric("vllm:spec_decode_num_drafts_total") > 0
+    assert 0 < accepted <= drafted
+    per_position = [
+        spec.metric("vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
+        for i in range(SPEC["num_speculative_tokens"])
+    ]  # every position is exported, accepted drafts or not
+    assert sum(per_position) == accepted and per_position[0] > 0
+    assert plain.metric("vllm:spec_decode_num_draft_tokens_total") == 0
