@@ -25,6 +25,7 @@ from engine.introspection import (
     FinishedView,
     RequestView,
 )
+from engine.kv_cache.salt import scoped_cache_salt
 from engine.models.default_model import DEFAULT_MODEL_NAME, cache_root, prepare_default_model
 from engine.outputs import (
     CompletionOutput,
@@ -88,6 +89,7 @@ __all__ = [
     "own_cgroup_cpu_dir",
     "prepare_default_model",
     "read_throttling",
+    "scoped_cache_salt",
     "start_core",
 ]
 

@@ -10,6 +10,7 @@ response included), for what a route holds on the request's behalf.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import re
 import uuid
 from typing import Any
@@ -23,6 +24,9 @@ from server.settings import AppState, Phase
 
 # Probes and metrics stay open without an API key, for kubelet and Prometheus.
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+# vLLM's render endpoints: open to the --render-allow-from networks.
+RENDER_PATHS = frozenset({"/v1/completions/render", "/v1/chat/completions/render"})
+FORWARDED = frozenset({"x-forwarded-for", "forwarded"})
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 
@@ -70,8 +74,11 @@ class GatewayMiddleware:
         scope.setdefault("state", {}).update(request_id=request_id, tenant=tenant)
         reply = _Reply(send, request_id, self.state, scope)
         tracked = scope["path"].startswith("/v1/") and scope["method"] == "POST"
-        rejection = self._reject(scope["path"], scope["method"], headers, tenant)
-        if rejection is None and tracked and not self.state.tenant_concurrency.try_acquire(tenant):
+        # The endpoint picker's render calls: no key, and no tenant's limit to count against.
+        picker = tenant is None and self._from_picker(scope, headers)
+        limited = tracked and not picker
+        rejection = self._reject(scope["path"], scope["method"], headers, tenant, picker)
+        if rejection is None and limited and not self.state.tenant_concurrency.try_acquire(tenant):
             rejection = self._tenant_limited()
         if rejection is not None:
             await rejection.response()(scope, receive, reply)
@@ -84,7 +91,8 @@ class GatewayMiddleware:
             await self._run(scope, receive, reply)
         finally:
             self.state.in_flight -= 1
-            self.state.tenant_concurrency.release(tenant)
+            if limited:
+                self.state.tenant_concurrency.release(tenant)
 
     async def _run(self, scope: Scope, receive: Receive, reply: _Reply) -> None:
         try:
@@ -94,10 +102,27 @@ class GatewayMiddleware:
             if not reply.started:
                 await self._too_large().response()(scope, receive, reply)
 
+    def _from_picker(self, scope: Scope, headers: dict[str, str]) -> bool:
+        """A render call straight from a --render-allow-from network: llm-d's endpoint
+        picker tokenizes each request here and sends no key. One a proxy forwarded (a
+        Gateway adds X-Forwarded-For) is a client's, whatever the proxy's address."""
+        networks = self.state.render_networks
+        if not networks or scope["path"] not in RENDER_PATHS or FORWARDED & headers.keys():
+            return False
+        client = scope.get("client")
+        try:
+            address = ipaddress.ip_address(client[0]) if client else None
+        except ValueError:  # a Unix socket's peer, or a test client's name
+            return False
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+            address = address.ipv4_mapped  # an IPv4 peer on a dual-stack socket
+        return address is not None and any(address in network for network in networks)
+
     def _reject(
-        self, path: str, method: str, headers: dict[str, str], tenant: str | None
+        self, path: str, method: str, headers: dict[str, str], tenant: str | None, picker: bool
     ) -> OpenAIError | None:
-        if not self.state.keys.open and tenant is None and path not in OPEN_PATHS:
+        keyless = path in OPEN_PATHS or picker
+        if not self.state.keys.open and tenant is None and not keyless:
             # A browser asks for the dashboard's key once it is challenged for Basic auth.
             challenge = BASIC_CHALLENGE if path in DASHBOARD_PATHS else None
             return OpenAIError(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import ipaddress
 import time
 from typing import Literal
 
@@ -34,6 +35,12 @@ class ServerSettings(BaseModel):
         default=None,
         description="file of `KEY TENANT` lines, keys beside --api-key; tenants never share "
         "prefix-cache blocks",
+    )
+    render_allow_from: list[str] = Field(
+        default=[],
+        description="networks (CIDR) whose calls to the render endpoints need no API key: the "
+        "endpoint picker's, which sends none (llm-d's precise prefix routing); a call that "
+        "carries a proxy's X-Forwarded-For or Forwarded header still needs one",
     )
     max_concurrent_requests_per_tenant: int | None = Field(
         default=None,
@@ -131,6 +138,16 @@ class ServerSettings(BaseModel):
             return value
         raise ValueError("give sqlite, sqlite:PATH, or a redis:// or rediss:// URL")
 
+    @field_validator("render_allow_from")
+    @classmethod
+    def _networks(cls, value: list[str]) -> list[str]:
+        for network in value:
+            try:
+                ipaddress.ip_network(network, strict=False)
+            except ValueError:
+                raise ValueError(f"not a network (CIDR): {network!r}") from None
+        return value
+
     @field_validator("chat_template")
     @classmethod
     def _load_template(cls, value: str | None) -> str | None:
@@ -153,6 +170,9 @@ class AppState:
         # Raises ValueError or OSError for a bad --api-keys-file.
         self.keys = KeyRing.load(settings.api_key, settings.api_keys_file)
         self.tenant_concurrency = TenantConcurrency(settings.max_concurrent_requests_per_tenant)
+        self.render_networks = [
+            ipaddress.ip_network(network, strict=False) for network in settings.render_allow_from
+        ]
         self.responses = Responses(settings.responses_store, settings.responses_ttl, cache_root())
         self.phase = Phase.LOADING
         # Set once the model is loaded: the engine and what the endpoints need beside it.

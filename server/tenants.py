@@ -10,10 +10,11 @@ with it, never replacing it.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from collections import Counter
 from pathlib import Path
+
+from engine import scoped_cache_salt
 
 _TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}")
 
@@ -73,10 +74,12 @@ def read_keys_file(path: Path) -> dict[str, str]:
 
 
 def tenant_cache_salt(tenant: str | None, cache_salt: str | None) -> str | None:
-    """The prefix-cache salt of a request: the tenant's, combined with the client's own."""
+    """The prefix-cache salt of a request: the tenant's, combined with the client's own.
+    KV events publish only the client's part, which a router reading the request body can
+    compute too (engine.scoped_cache_salt)."""
     if tenant is None:
         return cache_salt
-    return json.dumps([tenant, cache_salt])
+    return scoped_cache_salt(tenant, cache_salt)
 
 
 class TenantConcurrency:

@@ -1,4 +1,4 @@
-"""A KV events subscriber as llm-d's indexer is one: pyzmq SUB, plus vLLM's replay protocol.
+"""A KV events subscriber as llm-d's indexer is one: pyzmq SUB, plus its replay client.
 
 Payloads are decoded with plain msgpack (msgspec's untyped decoder), not with the engine's
 own structs, so tests read the positions a consumer reads.
@@ -45,20 +45,14 @@ class Subscriber:
             self._keep(*self.sub.recv_multipart())
 
     def replay(self, start: int = 0) -> list[int]:
-        """Asks the publisher for every buffered batch from `start`; returns their seqs."""
+        """Asks the publisher for every buffered batch from `start`, as llm-d-router
+        v0.10.0's requestReplay does (see `llmd_replay`); returns the replayed seqs."""
         assert self.replay_endpoint is not None
-        dealer = self.context.socket(zmq.DEALER)
-        dealer.linger = 0
-        dealer.connect(self.replay_endpoint)
-        dealer.send_multipart((b"", start.to_bytes(8, "big")))
-        seqs = []
-        while dealer.poll(10_000):
-            _, seq_bytes, payload = dealer.recv_multipart()
-            if int.from_bytes(seq_bytes, "big", signed=True) == -1:
-                break
-            seqs.append(self._keep(self.topic, seq_bytes, payload))
-        dealer.close()
-        return seqs
+        replayed = llmd_replay(self.context, self.replay_endpoint, start)
+        for topic, seq, payload in replayed:
+            assert topic.startswith(self.topic), f"replayed under {topic!r}, not {self.topic!r}"
+            self._keep(topic, seq.to_bytes(8, "big"), payload)
+        return [seq for _, seq, _ in replayed]
 
     def replay_until(self, last: int, attempts: int = 100) -> list[int]:
         """Replays from 0 until batch `last` is among them: the publisher's thread may
@@ -85,6 +79,44 @@ class Subscriber:
 
     def close(self) -> None:
         self.context.destroy(linger=0)
+
+
+class ReplayError(AssertionError):
+    """A reply llm-d's requestReplay would refuse: it then resets the pod's index."""
+
+
+def llmd_replay(
+    context: zmq.Context, endpoint: str, start: int, timeout_s: float = 10.0
+) -> list[tuple[bytes, int, bytes]]:
+    """llm-d-router v0.10.0's side of the replay protocol (pkg/kvevents/zmq_subscriber.go,
+    requestReplay): a DEALER sends [b"", start (8 bytes, big-endian)]; each reply, after
+    an empty leading frame is dropped, is either the end (three frames, the last empty) or
+    [topic, seq (8 bytes or more, big-endian), payload] whose seq is exactly the next one
+    expected, from `start` on. Anything else is a ReplayError, as it is an error there.
+    Returns (topic, seq, payload) per replayed batch."""
+    dealer = context.socket(zmq.DEALER)
+    dealer.linger = 0
+    dealer.connect(endpoint)
+    try:
+        dealer.send_multipart((b"", start.to_bytes(8, "big")))
+        replayed: list[tuple[bytes, int, bytes]] = []
+        while True:
+            if not dealer.poll(int(timeout_s * 1000)):
+                raise ReplayError(f"no end marker after {len(replayed)} batches")
+            frames = dealer.recv_multipart()
+            if frames and not frames[0]:
+                frames = frames[1:]
+            if len(frames) == 3 and not frames[2]:
+                return replayed
+            if len(frames) != 3 or len(frames[1]) < 8:
+                raise ReplayError(f"malformed replay frame with {len(frames)} frames")
+            topic, seq_bytes, payload = frames
+            seq = int.from_bytes(seq_bytes[:8], "big")
+            if seq != start + len(replayed):
+                raise ReplayError(f"expected sequence {start + len(replayed)}, got {seq}")
+            replayed.append((topic, seq, payload))
+    finally:
+        dealer.close()
 
 
 def replay_index(events: list[list[Any]]) -> dict[int, tuple[int | None, list[int], Any]]:

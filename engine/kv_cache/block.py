@@ -12,8 +12,8 @@ class BlockHash:
 
     The digest is the dictionary key; the token ids are compared on a hit, so even a
     digest collision can never serve the wrong KV. `extra_keys` are the keys hashed in
-    beside the tokens (a tenant's salt, on a chain's first block), kept so that KV events
-    can tell consumers what the digest covers.
+    beside the tokens (a request's salt, on a chain's first block), kept so that KV events
+    can tell consumers the part of it they can compute (engine/kv_cache/salt.py).
     """
 
     digest: bytes

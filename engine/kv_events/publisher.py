@@ -7,10 +7,15 @@ batch is one multipart message on a PUB socket,
     frame 1  sequence       8 bytes, big-endian unsigned, one per batch, from 0
     frame 2  payload        msgpack of a KVEventBatch (see recorder.py)
 
-A ROUTER socket at `replay_endpoint` (optional) serves missed batches: a request
-[identity, b"", start sequence (8 bytes, big-endian)] gets every buffered batch from that
-sequence on as [identity, b"", sequence, payload], then [identity, b"", -1 (8 bytes,
-signed), b""].
+A ROUTER socket at `replay_endpoint` (optional) serves missed batches in the same three
+frames, behind the requester's identity and delimiter (vLLM's layout since v0.26, PR
+#45177, which is what llm-d-router v0.10.0's `requestReplay` parses):
+
+    request   [identity, b"", start sequence (8 bytes, big-endian)]
+    batches   [identity, b"", topic, sequence, payload]      from `start`, consecutive
+    end       [identity, b"", b"", -1 (8 bytes, signed), b""]  an empty payload ends it
+
+A request without the delimiter frame is answered without it.
 
 `publish` never blocks: batches wait in a bounded queue for the background thread, which
 encodes and sends them. A full queue drops the batch and counts it; its sequence number is
@@ -129,13 +134,38 @@ class ZmqEventPublisher:
 
     def _serve_replay(self) -> None:
         assert self._replay is not None
-        frames = self._replay.recv_multipart()
-        if len(frames) != 3 or len(frames[2]) != 8:
+        request = replay_request(self._replay.recv_multipart())
+        if request is None:
             logger.warning("KV events: ignoring a malformed replay request")
             return
-        client, _, start = frames
-        first = int.from_bytes(start, "big")
-        for seq, payload in list(self._buffer):
-            if seq >= first:
-                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, b"", END_OF_REPLAY, b""))
+        envelope, first = request
+        for seq, payload in consecutive_from(self._buffer, first):
+            self._replay.send_multipart((*envelope, self.topic, seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((*envelope, b"", END_OF_REPLAY, b""))
+
+
+def replay_request(frames: list[bytes]) -> tuple[tuple[bytes, ...], int] | None:
+    """(the frames a reply starts with, the first sequence asked for) of a ROUTER request:
+    [identity, b"", start] from a DEALER or REQ, [identity, start] from a bare DEALER.
+    None when it is neither."""
+    if len(frames) not in (2, 3) or len(frames[-1]) != 8 or (len(frames) == 3 and frames[1]):
+        return None
+    return tuple(frames[:-1]), int.from_bytes(frames[-1], "big")
+
+
+def consecutive_from(buffer: deque[tuple[int, bytes]], first: int) -> list[tuple[int, bytes]]:
+    """The buffered batches `first`, `first` + 1, ... up to the first one missing (dropped
+    when the queue was full, or long gone from the buffer); none when `first` itself is.
+
+    Never a run that starts later or skips: llm-d-router v0.10.0 checks every replayed
+    sequence against the one it expects next, and on a mismatch resets the pod's index and
+    drops its live events until a retry 30 s later, which fails the same way. An empty
+    answer to a request from 0 lets it go on from the live stream instead."""
+    run: list[tuple[int, bytes]] = []
+    for seq, payload in buffer:
+        if seq < first:
+            continue
+        if seq != first + len(run):
+            break
+        run.append((seq, payload))
+    return run

@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 
 from engine.kv_cache.block import BlockHash
+from engine.kv_cache.salt import published_salt
 
 # vLLM calls its primary KV tier "GPU" on every device; llm-d weights tiers by this name.
 MEDIUM = "GPU"
@@ -47,8 +48,8 @@ class BlockStored(KVCacheEvent):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
-    # One entry per block: the keys hashed beside its tokens (the tenant salt on a
-    # chain's first block), or None.
+    # One entry per block: the keys hashed beside its tokens, as a router can compute them
+    # from a request (a salt's published part, on a chain's first block), or None.
     extra_keys: list[tuple[str, ...] | None] | None = None
 
 
@@ -70,6 +71,15 @@ def external_hash(block_hash: BlockHash) -> int:
     return int.from_bytes(block_hash.digest[-8:], "big")
 
 
+def published_keys(block_hash: BlockHash) -> tuple[str, ...] | None:
+    """The block's extra keys as events publish them: each salt's published part (a
+    scoped salt without its scope, see engine/kv_cache/salt.py); None when none is left."""
+    if not block_hash.extra_keys:  # every block but a salted chain's first
+        return None
+    keys = tuple(p for p in map(published_salt, block_hash.extra_keys) if p is not None)
+    return keys or None
+
+
 class KVEventRecorder:
     """A KVEventListener that turns the pool's calls into events, in order.
 
@@ -87,7 +97,7 @@ class KVEventRecorder:
 
     def block_stored(self, block_hash: BlockHash, parent: BlockHash | None) -> None:
         this = external_hash(block_hash)
-        extra = block_hash.extra_keys or None
+        extra = published_keys(block_hash)
         last = self._events[-1] if self._events else None
         if (
             isinstance(last, BlockStored)

@@ -74,6 +74,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "inference-pool-with-two-pickers": {
         "inferencePool": {"enabled": True, "endpointPicker": {"replicas": 2}},
     },
+    "inference-pool-with-tenants": {
+        "inferencePool": {"enabled": True},
+        "kvEvents": {"enabled": True},
+        "apiKeys": {"existingSecret": "tenant-keys"},
+        "server": {"renderAllowFrom": ["10.244.0.0/16"]},
+    },
     **{f"example-{path.stem}": helm.values_from_yaml(path.read_text()) for path in EXAMPLE_VALUES},
 }
 
@@ -252,6 +258,10 @@ BAD_VALUES = {
     "route-timeout-too-long": {"inferencePool": {"httpRoute": {"requestTimeout": "123456s"}}},
     "route-hostname-not-dns": {"inferencePool": {"httpRoute": {"hostnames": ["LLM_host"]}}},
     "route-gateway-unnamed": {"inferencePool": {"httpRoute": {"gateway": {"name": ""}}}},
+    "epp-unknown-failure-mode": {"inferencePool": {"endpointPicker": {"failureMode": "Open"}}},
+    "replay-port-out-of-range": {"kvEvents": {"replayPort": 0}},
+    "render-allow-from-a-name": {"server": {"renderAllowFrom": ["cluster"]}},
+    "render-allow-from-a-string": {"server": {"renderAllowFrom": "10.0.0.0/8"}},
 }
 
 
@@ -286,6 +296,23 @@ def test_schema_error_names_the_offending_key() -> None:
             "enable one",
         ),
         ({"responses": {"persistence": {"enabled": True}}, "replicaCount": 2}, "responses.redis"),
+        (
+            {
+                "inferencePool": {"enabled": True},
+                "kvEvents": {"enabled": True},
+                "apiKey": {"value": "k"},
+            },
+            "needs server.renderAllowFrom: the endpoint picker",
+        ),
+        (
+            {
+                "inferencePool": {"enabled": True},
+                "kvEvents": {"enabled": True},
+                "apiKeys": {"existingSecret": "tenant-keys"},
+            },
+            "needs server.renderAllowFrom",
+        ),
+        ({"kvEvents": {"enabled": True, "port": 6000, "replayPort": 6000}}, "must differ"),
     ],
 )
 def test_template_rejects_contradictory_values(values: dict[str, Any], message: str) -> None:
@@ -376,6 +403,12 @@ SERVER_FLAGS = {
     "disableDashboard": ("PAGEDSERVE_DISABLE_DASHBOARD", True, "true"),
     "logLevel": ("PAGEDSERVE_LOG_LEVEL", "debug", "debug"),
     "logFormat": ("PAGEDSERVE_LOG_FORMAT", "text", "text"),
+    # A list is comma-separated, as the server splits a repeatable flag's variable.
+    "renderAllowFrom": (
+        "PAGEDSERVE_RENDER_ALLOW_FROM",
+        ["10.244.0.0/16", "fd00::/8"],
+        "10.244.0.0/16,fd00::/8",
+    ),
 }
 
 
@@ -760,7 +793,7 @@ def test_inference_pool_points_at_the_endpoint_picker() -> None:
     assert pool["spec"]["endpointPickerRef"] == {
         "name": "alpha-pagedserve-epp",
         "port": {"number": 9002},
-        "failureMode": "FailClose",
+        "failureMode": "FailOpen",
     }
     values = {"inferencePool": {"enabled": True, "endpointPicker": {"serviceName": "epp"}}}
     assert the(render(values), "InferencePool")["spec"]["endpointPickerRef"]["name"] == "epp"
@@ -798,6 +831,7 @@ def test_the_crd_validator_has_teeth() -> None:
             targetPorts=[{"number": 8000}, {"number": 8000}]
         ),
         "Service without a port (CEL)": lambda spec: spec["endpointPickerRef"].pop("port"),
+        "unknown failure mode": lambda spec: spec["endpointPickerRef"].update(failureMode="Open"),
     }
     assert_rejects_each(INFERENCE_POOL_CRD, good, broken)
 
@@ -816,6 +850,7 @@ def test_kv_events_are_published_where_the_indexer_looks() -> None:
     config = KVEventsConfig.from_json(raw)
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert config.enabled and config.endpoint == f"tcp://*:{ports['kv-events']}"
+    assert config.replay_endpoint == f"tcp://*:{ports['kv-replay']}" == "tcp://*:5558"
     assert config.topic == "kv@10.1.2.3@llama"
     # Without a served name, the name the server derives: the model directory's, or the
     # bundled model's.
@@ -1083,9 +1118,10 @@ def test_kv_events_turn_on_precise_prefix_routing(block_size: int | None) -> Non
     assert declared.keys() >= PRECISE
     producer = declared["precise-prefix-cache-producer"]
     ports = {p["name"]: p["containerPort"] for p in server_container(manifests)["ports"]}
-    assert (
-        producer["kvEventsConfig"]["podDiscoveryConfig"]["socketPort"] == ports["kv-events"] == 6001
-    )
+    discovery = producer["kvEventsConfig"]["podDiscoveryConfig"]
+    assert discovery["socketPort"] == ports["kv-events"] == 6001
+    # A picker that starts (a rollout, a crash) rebuilds its index from each pod's replay.
+    assert discovery["replaySocketPort"] == ports["kv-replay"] == 5558
     assert producer["kvEventsConfig"]["discoverPods"] is True
     # The topic the pods publish on (kv@<pod IP>@<model>) passes the subscriber's filter.
     topic = json.loads(env_of(server_container(manifests))["PAGEDSERVE_KV_EVENTS_CONFIG"])["topic"]
@@ -1119,3 +1155,121 @@ def test_endpoint_picker_restarts_when_its_config_changes() -> None:
         return deployment["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
 
     assert checksum(POOL) != checksum(POOL | {"kvEvents": {"enabled": False}})
+
+
+# --- Endpoint picker rollouts and crashes ---------------------------------------------------
+
+
+def epp_budget(manifests: list[dict[str, Any]]) -> dict[str, Any] | None:
+    budgets = [m for m in manifests if m["kind"] == "PodDisruptionBudget" and is_epp(m)]
+    assert len(budgets) <= 1
+    return budgets[0] if budgets else None
+
+
+def serving_during_rollout(deployment: dict[str, Any]) -> int:
+    """Replicas that still serve at the worst moment of a rollout: the Deployment keeps
+    replicas - maxUnavailable Ready (standbys of a leader never are), Recreate none."""
+    spec = deployment["spec"]
+    if spec["strategy"]["type"] == "Recreate":
+        return 0
+    return spec["replicas"] - spec["strategy"]["rollingUpdate"]["maxUnavailable"]
+
+
+def test_precise_pickers_all_serve_and_roll_one_by_one() -> None:
+    """With KV events, two replicas that each serve (no leader election): a rolling update
+    and a node drain (the PodDisruptionBudget) always leave one serving, and the Gateway
+    routes around a picker that does not answer (FailOpen)."""
+    manifests = render(POOL)
+    deployment = the(manifests, "Deployment", epp=True)
+    assert deployment["spec"]["replicas"] == 2
+    assert "--ha-enable-leader-election" not in epp_args(manifests)
+    assert serving_during_rollout(deployment) >= 1
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 1
+    budget = epp_budget(manifests)
+    assert budget is not None
+    assert budget["spec"]["maxUnavailable"] == 1 < deployment["spec"]["replicas"]
+    assert (
+        budget["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    )
+    assert not matches(budget["spec"]["selector"]["matchLabels"], pod_labels(manifests))
+    pod = deployment["spec"]["template"]["spec"]
+    spread = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert spread[0]["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert matches(
+        spread[0]["podAffinityTerm"]["labelSelector"]["matchLabels"], epp_pod_labels(manifests)
+    )
+    # Longer than llm-d-router v0.10.0's 30 s drain, which begins at SIGTERM.
+    assert pod["terminationGracePeriodSeconds"] > 30
+    assert the(manifests, "InferencePool")["spec"]["endpointPickerRef"]["failureMode"] == "FailOpen"
+
+
+def test_an_approximate_picker_is_one_and_rolls_over_with_a_surge() -> None:
+    """Without KV events the prefix index is one replica's routing history: one replica,
+    whose successor is Ready before it stops; no budget could leave a single one serving."""
+    manifests = render({"inferencePool": {"enabled": True}})
+    deployment = the(manifests, "Deployment", epp=True)
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    assert serving_during_rollout(deployment) == 1
+    assert epp_budget(manifests) is None
+    assert "affinity" not in deployment["spec"]["template"]["spec"]
+
+
+def test_approximate_pickers_elect_a_leader_and_are_replaced_at_once() -> None:
+    """More than one without KV events: one leader serves, standbys are never Ready while
+    it leads, so a rolling update could not replace it (Recreate), and a budget would
+    forbid evicting it for good (none)."""
+    manifests = render(VARIANTS["inference-pool-with-two-pickers"])
+    deployment = the(manifests, "Deployment", epp=True)
+    assert deployment["spec"]["replicas"] == 2
+    assert "--ha-enable-leader-election" in epp_args(manifests)
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    assert epp_budget(manifests) is None
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_the_picker_replica_count_can_be_set(replicas: int) -> None:
+    manifests = render(
+        POOL | {"inferencePool": {"enabled": True, "endpointPicker": {"replicas": replicas}}}
+    )
+    assert the(manifests, "Deployment", epp=True)["spec"]["replicas"] == replicas
+    assert (epp_budget(manifests) is not None) == (replicas > 1)
+    assert "--ha-enable-leader-election" not in epp_args(manifests)
+
+
+def test_without_replay_the_picker_is_not_told_of_one() -> None:
+    manifests = render(POOL | {"kvEvents": {"enabled": True, "replayPort": None}})
+    ports = {p["name"] for p in server_container(manifests)["ports"]}
+    assert "kv-replay" not in ports
+    config = json.loads(env_of(server_container(manifests))["PAGEDSERVE_KV_EVENTS_CONFIG"])
+    assert "replay_endpoint" not in config
+    discovery = plugins(epp_config(manifests))["precise-prefix-cache-producer"]["kvEventsConfig"]
+    assert "replaySocketPort" not in discovery["podDiscoveryConfig"]
+
+
+# --- Tenants and precise routing -------------------------------------------------------------
+
+
+def test_tenants_with_precise_routing_let_the_picker_render_without_a_key() -> None:
+    """With API keys the server answers the picker's keyless render calls only from the
+    networks renderAllowFrom lists; the chart passes them on as the server reads them."""
+    from server.settings import ServerSettings
+
+    manifests = render(VARIANTS["inference-pool-with-tenants"])
+    raw = env_of(server_container(manifests))["PAGEDSERVE_RENDER_ALLOW_FROM"]
+    assert ServerSettings(render_allow_from=raw.split(",")).render_allow_from == ["10.244.0.0/16"]
+    # The picker tokenizes through the release's Service, which reaches that server.
+    tokens = plugins(epp_config(manifests))["token-producer"]
+    service = the(manifests, "Service")["metadata"]["name"]
+    assert tokens["vllm"]["url"].startswith(f"http://{service}.")
+    # Without kvEvents, or without the chart's picker, nothing renders: no list needed.
+    keys = {"apiKey": {"value": "k"}}
+    assert render({"inferencePool": {"enabled": True}} | keys)
+    assert render(
+        {"inferencePool": {"enabled": True, "endpointPicker": {"deploy": False}}}
+        | {"kvEvents": {"enabled": True}}
+        | keys
+    )

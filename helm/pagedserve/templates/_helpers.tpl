@@ -92,12 +92,16 @@ The model directory as the server sees it, or "" for the image's default model.
 {{/*
 The server flags as PAGEDSERVE_* variables: maxNumSeqs -> PAGEDSERVE_MAX_NUM_SEQS. Helm
 holds every number as a float64, so whole numbers are printed as integers (4294967296, not
-4.294967296e+09). null and "" leave the flag to the server's default.
+4.294967296e+09). A list is comma-separated, as the server reads a repeatable flag from its
+variable. null, "" and [] leave the flag to the server's default.
 */}}
 {{- define "pagedserve.serverEnv" -}}
 {{- range $flag, $value := .Values.server }}
 {{- if and (kindIs "float64" $value) (eq $value (float64 (int64 $value))) }}
 {{- $value = int64 $value }}
+{{- end }}
+{{- if kindIs "slice" $value }}
+{{- $value = join "," $value }}
 {{- end }}
 {{- if not (or (kindIs "invalid" $value) (eq (toString $value) "")) }}
 - name: PAGEDSERVE_{{ snakecase $flag | upper }}
@@ -154,6 +158,14 @@ Combinations the schema cannot express.
 {{- if and .Values.responses.persistence.enabled (or (gt (int .Values.replicaCount) 1) .Values.autoscaling.enabled .Values.keda.enabled) }}
 {{- fail "responses.persistence keeps SQLite on one claim, for one replica: more replicas share responses.redis" }}
 {{- end }}
+{{- $keys := or .Values.apiKey.value .Values.apiKey.existingSecret .Values.apiKeys.existingSecret }}
+{{- $picker := and .Values.inferencePool.enabled .Values.inferencePool.endpointPicker.deploy }}
+{{- if and $picker .Values.kvEvents.enabled $keys (not .Values.server.renderAllowFrom) }}
+{{- fail "kvEvents with apiKey or apiKeys needs server.renderAllowFrom: the endpoint picker tokenizes every request through the server's render endpoints and sends no API key, so they answer it 401 unless its pods' network is listed there (see docs/kubernetes.md, Tenants and precise routing)" }}
+{{- end }}
+{{- if and .Values.kvEvents.enabled (eq (int (.Values.kvEvents.replayPort | default 0)) (int .Values.kvEvents.port)) }}
+{{- fail "kvEvents.replayPort and kvEvents.port must differ: one is the events' PUB socket, the other the replay ROUTER" }}
+{{- end }}
 {{- $tp := int (.Values.server.tensorParallelSize | default 1) }}
 {{- if and (gt (int .Values.gpu.count) 1) (gt $tp 1) (ne (int .Values.gpu.count) $tp) }}
 {{- fail (printf "gpu.count (%d) and server.tensorParallelSize (%d) disagree: each rank takes one GPU; set only tensorParallelSize" (int .Values.gpu.count) $tp) }}
@@ -180,11 +192,16 @@ directory's name, else the bundled model's.
 {{- end }}
 
 {{/*
-vLLM's --kv-events-config for this pod: bound on every interface, with llm-d's topic.
-$(POD_IP) is expanded by Kubernetes from the variable defined before it.
+vLLM's --kv-events-config for this pod: bound on every interface, with llm-d's topic, and
+the replay socket a picker that (re)starts rebuilds its index from. $(POD_IP) is expanded
+by Kubernetes from the variable defined before it.
 */}}
 {{- define "pagedserve.kvEventsConfig" -}}
-{{- dict "enable_kv_cache_events" true "publisher" "zmq" "endpoint" (printf "tcp://*:%d" (int .Values.kvEvents.port)) "topic" (printf "kv@$(POD_IP)@%s" (include "pagedserve.servedModelName" .)) | toJson }}
+{{- $config := dict "enable_kv_cache_events" true "publisher" "zmq" "endpoint" (printf "tcp://*:%d" (int .Values.kvEvents.port)) "topic" (printf "kv@$(POD_IP)@%s" (include "pagedserve.servedModelName" .)) }}
+{{- with .Values.kvEvents.replayPort }}
+{{- $_ := set $config "replay_endpoint" (printf "tcp://*:%d" (int .)) }}
+{{- end }}
+{{- $config | toJson }}
 {{- end }}
 
 {{/*
@@ -202,6 +219,22 @@ ever picks its pods or its Service.
 */}}
 {{- define "pagedserve.eppName" -}}
 {{- .Values.inferencePool.endpointPicker.serviceName | default (printf "%s-epp" (include "pagedserve.fullname" .) | trunc 63 | trimSuffix "-") }}
+{{- end }}
+
+{{/*
+Endpoint picker replicas: endpointPicker.replicas, else 2 with KV events and 1 without.
+With KV events every replica subscribes to every pod and keeps the same index, so all of
+them serve. Without, each replica's prefix index is its own routing history: several then
+elect a leader, which alone serves ("true" from eppLeaderElection).
+*/}}
+{{- define "pagedserve.eppReplicas" -}}
+{{- $replicas := .Values.inferencePool.endpointPicker.replicas }}
+{{- if kindIs "invalid" $replicas }}{{ ternary 2 1 .Values.kvEvents.enabled }}
+{{- else }}{{ int $replicas }}{{ end }}
+{{- end }}
+
+{{- define "pagedserve.eppLeaderElection" -}}
+{{- if and (gt (int (include "pagedserve.eppReplicas" .)) 1) (not .Values.kvEvents.enabled) }}true{{ end }}
 {{- end }}
 
 {{- define "pagedserve.eppSelectorLabels" -}}
@@ -247,6 +280,9 @@ plugins:
         discoverPods: true
         podDiscoveryConfig:
           socketPort: {{ .Values.kvEvents.port }}
+          {{- with .Values.kvEvents.replayPort }}
+          replaySocketPort: {{ . }}
+          {{- end }}
   - type: prefix-cache-scorer
     parameters:
       prefixMatchInfoProducerName: precise-prefix-cache-producer

@@ -8,19 +8,22 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import deque
 from pathlib import Path
 
 import msgspec
 import pytest
+import zmq
 
 from engine import LLM, SamplingParams
 from engine.kv_cache import KVCacheManager
 from engine.kv_cache.hashing import extend_block_hashes
+from engine.kv_cache.salt import published_salt, scoped_cache_salt
 from engine.kv_events import KVEventsConfig
-from engine.kv_events.publisher import ZmqEventPublisher
+from engine.kv_events.publisher import ZmqEventPublisher, consecutive_from, replay_request
 from engine.kv_events.recorder import KVEventRecorder, external_hash
 from engine.request import Request
-from tests.kv_events_subscriber import Subscriber, replay_index
+from tests.kv_events_subscriber import ReplayError, Subscriber, llmd_replay, replay_index
 from tests.server.live import free_port
 from tests.tiny_models import make_tiny_model
 
@@ -93,6 +96,25 @@ def test_stored_events_carry_the_chain_tokens_and_salt() -> None:
     assert len(req) == 3
 
 
+def test_a_scoped_salt_is_published_without_its_scope() -> None:
+    """The scope (the server's tenant) separates the blocks but stays out of the events:
+    they carry the part a router can compute from the request, or nothing."""
+    recorder = KVEventRecorder(B)
+    manager = KVCacheManager(num_blocks=8, block_size=B, events=recorder)
+    tokens = list(range(10, 14))
+    salts = [scoped_cache_salt("alpha", "s1"), scoped_cache_salt("beta", "s1")]
+    salts.append(scoped_cache_salt("alpha", None))
+    for i, salt in enumerate(salts):
+        manager.allocate_slots(request(str(i), tokens, salt), 4, [])
+    stored = decoded(recorder)[1]
+    assert [event[8] for event in stored] == [[["s1"]], [["s1"]], [None]]
+    assert len({event[1][0] for event in stored}) == 3  # three blocks, three hashes
+    # Something that only looks scoped is published whole.
+    assert published_salt("\x00scoped\x00not json") == "\x00scoped\x00not json"
+    assert published_salt("\x00scoped\x005") == "\x00scoped\x005"
+    assert published_salt("plain") == "plain"
+
+
 def test_removed_after_eviction_and_cleared_on_reset() -> None:
     recorder = KVEventRecorder(B)
     manager = KVCacheManager(num_blocks=3, block_size=B, events=recorder)
@@ -157,6 +179,119 @@ def test_publish_never_blocks_on_a_stuck_sender(monkeypatch: pytest.MonkeyPatch)
     assert publisher.dropped == 3
     release.set()
     assert subscriber.replay_until(2) == [0, 1, 2]
+    publisher.close()
+    subscriber.close()
+
+
+# --- replay, as llm-d-router v0.10.0 asks for it -------------------------------------------
+
+
+def publish_cleared(publisher: ZmqEventPublisher, count: int) -> None:
+    recorder = KVEventRecorder(B)
+    for _ in range(count):
+        recorder.all_cleared()
+        batch = recorder.take_batch()
+        assert batch is not None
+        publisher.publish(batch)
+
+
+def test_replay_answers_in_the_layout_llmd_reads() -> None:
+    """Each replayed batch is [topic, seq, payload] behind the delimiter, as it goes out
+    live; the end marker's payload is empty; a DEALER without the delimiter gets none."""
+    endpoint, replay = endpoints()
+    topic = b"kv@10.0.0.7@tiny"
+    subscriber = Subscriber(endpoint, topic=topic, replay_endpoint=replay)
+    publisher = ZmqEventPublisher(
+        KVEventsConfig(True, "zmq", endpoint, replay, topic=topic.decode())
+    )
+    publish_cleared(publisher, 4)
+    assert subscriber.replay_until(3) == [0, 1, 2, 3]
+    replayed = llmd_replay(subscriber.context, replay, 1)
+    assert [(t, seq) for t, seq, _ in replayed] == [(topic, 1), (topic, 2), (topic, 3)]
+    for *_, payload in replayed:
+        _ts, events, dp_rank = msgspec.msgpack.decode(payload)
+        assert (events, dp_rank) == ([["AllBlocksCleared"]], 0)
+    for envelope in ([b""], []):
+        dealer = subscriber.context.socket(zmq.DEALER)
+        dealer.linger = 0
+        dealer.connect(replay)
+        dealer.send_multipart([*envelope, (3).to_bytes(8, "big")])
+        assert dealer.poll(10_000)
+        assert dealer.recv_multipart()[: len(envelope) + 2] == [*envelope, topic, b"\0" * 7 + b"\3"]
+        assert dealer.poll(10_000)
+        assert dealer.recv_multipart() == [
+            *envelope,
+            b"",
+            (-1).to_bytes(8, "big", signed=True),
+            b"",
+        ]
+        dealer.close()
+    publisher.close()
+    subscriber.close()
+
+
+def test_llmd_client_refuses_the_old_layout() -> None:
+    """The client above has teeth: the pre-v0.26 reply [seq, payload] fails its parse, as
+    it fails llm-d's (which then resets the pod's index)."""
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.linger = 0
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+
+    def answer_old_style() -> None:
+        identity, _, _start = router.recv_multipart()
+        router.send_multipart((identity, b"", (0).to_bytes(8, "big"), b"payload"))
+        router.send_multipart((identity, b"", (-1).to_bytes(8, "big", signed=True), b""))
+
+    server = threading.Thread(target=answer_old_style)
+    server.start()
+    with pytest.raises(ReplayError, match="malformed replay frame with 2 frames"):
+        llmd_replay(context, f"tcp://127.0.0.1:{port}", 0)
+    server.join(10)
+    context.destroy(linger=0)
+
+
+def test_replay_sends_only_an_unbroken_run_from_the_start_asked_for() -> None:
+    """llm-d-router v0.10.0 resets the pod when the first replayed seq is not the one it
+    asked for: a batch gone from the buffer (rolled over, or dropped) ends the run, and a
+    start no longer buffered gets just the end marker."""
+    buffer = deque([(2, b"c"), (3, b"d"), (4, b"e"), (7, b"h"), (8, b"i")])
+    assert consecutive_from(buffer, 2) == [(2, b"c"), (3, b"d"), (4, b"e")]
+    assert consecutive_from(buffer, 3) == [(3, b"d"), (4, b"e")]
+    assert consecutive_from(buffer, 7) == [(7, b"h"), (8, b"i")]
+    for gone in (0, 1, 5, 6, 9):
+        assert consecutive_from(buffer, gone) == [], gone
+    assert consecutive_from(deque(), 0) == []
+
+
+@pytest.mark.parametrize(
+    ("frames", "parsed"),
+    [
+        ([b"id", b"", b"\0" * 7 + b"\5"], ((b"id", b""), 5)),
+        ([b"id", b"\0" * 7 + b"\5"], ((b"id",), 5)),
+        ([b"id", b"", b"\5"], None),
+        ([b"id", b"x", b"\0" * 8], None),
+        ([b"id", b"", b"", b"\0" * 8], None),
+        ([b"id"], None),
+    ],
+)
+def test_replay_requests_are_parsed_strictly(frames: list[bytes], parsed: tuple | None) -> None:
+    assert replay_request(frames) == parsed
+
+
+def test_a_rolled_over_buffer_replays_from_0_as_nothing() -> None:
+    """Over ZMQ: after more batches than `buffer_steps`, a replay from 0 is an empty,
+    complete answer (llm-d then goes on from the live stream), one from a kept seq is the
+    rest of the buffer."""
+    endpoint, replay = endpoints()
+    subscriber = Subscriber(endpoint, replay_endpoint=replay)
+    publisher = ZmqEventPublisher(KVEventsConfig(True, "zmq", endpoint, replay, buffer_steps=3))
+    publish_cleared(publisher, 5)
+    for _ in range(100):  # until the publisher's thread has sent all five
+        if llmd_replay(subscriber.context, replay, 2):
+            break
+    assert [seq for _, seq, _ in llmd_replay(subscriber.context, replay, 2)] == [2, 3, 4]
+    assert llmd_replay(subscriber.context, replay, 0) == []
     publisher.close()
     subscriber.close()
 
