@@ -1,6 +1,7 @@
-"""Speculative decoding served (--speculative-config, the engine core in its own process):
-the openai SDK gets the same greedy text as from a server without it, streamed or not,
-and /metrics counts the drafts under vLLM's names."""
+"""The step orders of the engine core served from its own process: speculative decoding
+(--speculative-config) and async scheduling (--async-scheduling, CUDA's default) give the
+openai SDK the same greedy text as a server without them, streamed or not, and /metrics
+counts the drafts under vLLM's names."""
 
 from __future__ import annotations
 
@@ -55,3 +56,41 @@ def test_same_text_and_counted_drafts(servers) -> None:
     ]  # every position is exported, accepted drafts or not
     assert sum(per_position) == accepted and per_position[0] > 0
     assert plain.metric("vllm:spec_decode_num_draft_tokens_total") == 0
+
+
+def test_async_scheduling_through_the_core_process(tiny_model_dir: Path, servers) -> None:
+    """--async-scheduling (CUDA's default) served by the engine core in its own process:
+    the same greedy text, streamed and not, as the plain server, for requests that stop on
+    a token and by length, with logprobs."""
+    plain, _ = servers
+    overlapped = tiny_engine(tiny_model_dir, async_scheduling=True, engine_in_process=False)
+    with LiveServer(overlapped, served_model_name="tiny") as server:
+        prompts = [PROMPT, PROMPT[:7], [40, 41, 42, 43]]
+        for prompt in prompts:
+            plain_out = client(plain).completions.create(
+                model="tiny", prompt=prompt, max_tokens=30, temperature=0.0, logprobs=2
+            )
+            stop = plain_out.choices[0].logprobs.tokens[5]  # type: ignore[union-attr]
+            for body in (
+                dict(max_tokens=30, logprobs=2),
+                dict(max_tokens=30, stop=[stop]),
+                dict(max_tokens=3),
+            ):
+                expected = client(plain).completions.create(
+                    model="tiny", prompt=prompt, temperature=0.0, **body
+                )
+                got = client(server).completions.create(
+                    model="tiny", prompt=prompt, temperature=0.0, **body
+                )
+                stream = client(server).completions.create(
+                    model="tiny", prompt=prompt, temperature=0.0, stream=True, **body
+                )
+                streamed = "".join(c.choices[0].text for c in stream if c.choices)
+                assert got.choices[0].text == expected.choices[0].text == streamed
+                assert got.choices[0].finish_reason == expected.choices[0].finish_reason
+                if "logprobs" in body:
+                    assert got.choices[0].logprobs.token_logprobs == pytest.approx(  # type: ignore[union-attr]
+                        expected.choices[0].logprobs.token_logprobs,
+                        abs=1e-4,  # type: ignore[union-attr]
+                    )
+        assert server.wait_idle(10)
