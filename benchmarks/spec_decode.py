@@ -5,8 +5,8 @@
 
 Servers of the default model (its Q4_1 weights by default), one after the other on the same
 port: `pagedserve serve` without speculation, then with `--speculative-config
-'{"method": "ngram", "num_speculative_tokens": K}'` for each K. Each serves, one request at
-a time, greedy chat completions of two workloads:
+'{"method": M, "num_speculative_tokens": K}'` for each method M of --methods and each K.
+Each serves, one request at a time, greedy chat completions of two workloads:
 
   copy    "repeat this text" and "fix the typos in this text" over paragraphs the output
           copies spans of: where drafts from the request's own tokens help
@@ -153,6 +153,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="default: the bundled default model")
     p.add_argument("--k", default="4,8", help="num_speculative_tokens values to run")
+    p.add_argument("--methods", default="ngram", help="ngram, suffix or both (ngram,suffix)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--port", type=int, default=8124)
@@ -161,8 +162,10 @@ def main() -> None:
     args = p.parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     servers: dict[str, str | None] = {"off": None}
-    for k in args.k.split(","):
-        servers[f"ngram-k{k}"] = json.dumps({"method": "ngram", "num_speculative_tokens": int(k)})
+    for method in args.methods.split(","):
+        for k in args.k.split(","):
+            config = {"method": method, "num_speculative_tokens": int(k)}
+            servers[f"{method}-k{k}"] = json.dumps(config)
     report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "rounds": []}
     for _ in range(args.rounds):
         report["rounds"].append({name: serve(name, s, args) for name, s in servers.items()})
@@ -174,7 +177,7 @@ def main() -> None:
             rates = [row["output_tokens_per_s"] for row in rows]
             accept = rows[0]["acceptance_rate"]
             print(
-                f"{workload:5s} {name:10s} tok/s "
+                f"{workload:5s} {name:11s} tok/s "
                 + " / ".join(f"{x:6.1f}" for x in rates)
                 + f"  best {max(rates) / best_off:4.2f}x off"
                 + f"  TPOT {min(row['tpot_ms'] for row in rows):6.2f} ms"

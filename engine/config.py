@@ -83,8 +83,10 @@ class EngineArgs:
         "speculative decoding, as vLLM's --speculative-config: a JSON object such as "
         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
         '"prompt_lookup_max": 5} (drafts from the request\'s own earlier tokens; prompt_lookup '
-        "bounds default to 2 and 5); greedy output is unchanged and sampled output keeps its "
-        "distribution; turns async scheduling off",
+        'bounds default to 2 and 5) or {"method": "suffix", "num_speculative_tokens": 4} '
+        "(drafts from suffix tries over the request's tokens and recent requests' outputs; "
+        "vLLM's suffix_decoding_* keys); greedy output is unchanged and sampled output keeps "
+        "its distribution; turns async scheduling off",
     )
     num_threads: int | None = _arg(None, "torch CPU threads (default: the CPUs available)")
     cpu_isa: str = _arg(

@@ -31,7 +31,12 @@ from engine.pooling import check_task
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler, SchedulerStats, StepResult
 from engine.scheduler.output import ModelRunnerOutput, SchedulerOutput
-from engine.spec_decode import NgramProposer, parse_speculative_config
+from engine.spec_decode import (
+    NgramProposer,
+    SuffixProposer,
+    make_proposer,
+    parse_speculative_config,
+)
 from engine.structured_output import StructuredOutputManager
 from engine.worker.model_runner import ModelRunner, PendingOutput
 
@@ -71,9 +76,9 @@ class EngineCore:
         self.async_scheduling = config.scheduler.async_scheduling and runner.pooler is None
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
         spec = config.speculative
-        self.proposer = None
+        self.proposer: NgramProposer | SuffixProposer | None = None
         if spec is not None:
-            self.proposer = NgramProposer(spec, config.scheduler.max_model_len)
+            self.proposer = make_proposer(spec, config.scheduler.max_model_len)
 
     @classmethod
     def from_args(cls, args: EngineArgs, hooks: EngineHooks | None = None) -> EngineCore:

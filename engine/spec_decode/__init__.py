@@ -8,5 +8,19 @@ rejection sampling), plus one token of its own.
 
 from engine.spec_decode.config import SpeculativeConfig, parse_speculative_config
 from engine.spec_decode.ngram import NgramProposer, can_draft
+from engine.spec_decode.suffix import SuffixProposer
 
-__all__ = ["NgramProposer", "SpeculativeConfig", "can_draft", "parse_speculative_config"]
+__all__ = [
+    "NgramProposer",
+    "SpeculativeConfig",
+    "SuffixProposer",
+    "can_draft",
+    "make_proposer",
+    "parse_speculative_config",
+]
+
+
+def make_proposer(config: SpeculativeConfig, max_model_len: int) -> NgramProposer | SuffixProposer:
+    if config.method == "suffix":
+        return SuffixProposer(config, max_model_len)
+    return NgramProposer(config, max_model_len)

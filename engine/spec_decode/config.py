@@ -5,10 +5,19 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "suffix")
 # vLLM's methods that are not implemented here: refused by name rather than as unknown.
-NOT_YET = ("suffix", "draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
-KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
+# Each method's keys beyond method and num_speculative_tokens, with their defaults.
+METHOD_KEYS: dict[str, dict[str, int | float]] = {
+    "ngram": {"prompt_lookup_min": 2, "prompt_lookup_max": 5},
+    "suffix": {
+        "suffix_decoding_max_tree_depth": 24,
+        "suffix_decoding_max_cached_requests": 10000,
+        "suffix_decoding_max_spec_factor": 1.0,
+        "suffix_decoding_min_token_prob": 0.1,
+    },
+}
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_LOOKUP_MIN, DEFAULT_LOOKUP_MAX = 2, 5
 
@@ -23,6 +32,11 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int = DEFAULT_LOOKUP_MIN
     prompt_lookup_max: int = DEFAULT_LOOKUP_MAX
+    # Suffix decoding (engine/spec_decode/suffix.py), under vLLM's suffix_decoding_* keys.
+    suffix_max_tree_depth: int = 24
+    suffix_max_cached_requests: int = 10000
+    suffix_max_spec_factor: float = 1.0
+    suffix_min_token_prob: float = 0.1
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -30,6 +44,17 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be 1-{MAX_SPECULATIVE_TOKENS}, got {k}")
+        if not 2 <= self.suffix_max_tree_depth <= 64:
+            raise ValueError(
+                f"suffix_decoding_max_tree_depth must be 2-64, got {self.suffix_max_tree_depth}"
+            )
+        if self.suffix_max_cached_requests < 0 or self.suffix_max_spec_factor <= 0:
+            raise ValueError(
+                "suffix_decoding_max_cached_requests must be >= 0 and "
+                "suffix_decoding_max_spec_factor > 0"
+            )
+        if not 0.0 <= self.suffix_min_token_prob <= 1.0:
+            raise ValueError("suffix_decoding_min_token_prob must be within 0-1")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(
                 "prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max, got "
@@ -37,6 +62,11 @@ class SpeculativeConfig:
             )
 
     def describe(self) -> str:
+        if self.method == "suffix":
+            return (
+                f"suffix, {self.num_speculative_tokens} tokens, depth "
+                f"{self.suffix_max_tree_depth}, {self.suffix_max_cached_requests} cached requests"
+            )
         return (
             f"{self.method}, {self.num_speculative_tokens} tokens, n-grams of "
             f"{self.prompt_lookup_min}-{self.prompt_lookup_max}"
@@ -62,17 +92,34 @@ def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
             f"speculative method {method!r} is not implemented yet; this server runs "
             f"{', '.join(METHODS)}"
         )
-    unknown = sorted(set(raw) - set(KEYS))
+    if method not in METHODS:
+        raise ValueError(f"speculative method {method!r} is not one of {METHODS}")
+    keys = METHOD_KEYS[method]
+    unknown = sorted(set(raw) - {"method", "num_speculative_tokens", *keys})
     if unknown:
         raise ValueError(
-            f"--speculative-config: unsupported keys {unknown}; it takes {', '.join(KEYS)}"
+            f"--speculative-config: unsupported keys {unknown} for {method}; it takes "
+            f"method, num_speculative_tokens, {', '.join(keys)}"
         )
     if "num_speculative_tokens" not in raw:
         raise ValueError("--speculative-config needs num_speculative_tokens")
-    for key in KEYS[1:]:
+    for key in ("num_speculative_tokens", *keys):
         value = raw.get(key)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-            raise ValueError(f"--speculative-config: {key} must be an integer, got {value!r}")
+        want = float if isinstance(keys.get(key), float) else int
+        ok = isinstance(value, (int, float) if want is float else int)
+        if value is not None and (not ok or isinstance(value, bool)):
+            kind = "a number" if want is float else "an integer"
+            raise ValueError(f"--speculative-config: {key} must be {kind}, got {value!r}")
+    k = raw["num_speculative_tokens"]
+    if method == "suffix":
+        return SpeculativeConfig(
+            "suffix",
+            k,
+            suffix_max_tree_depth=raw.get("suffix_decoding_max_tree_depth", 24),
+            suffix_max_cached_requests=raw.get("suffix_decoding_max_cached_requests", 10000),
+            suffix_max_spec_factor=float(raw.get("suffix_decoding_max_spec_factor", 1.0)),
+            suffix_min_token_prob=float(raw.get("suffix_decoding_min_token_prob", 0.1)),
+        )
     given_low, given_high = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
     low = DEFAULT_LOOKUP_MIN if given_low is None else given_low
     high = DEFAULT_LOOKUP_MAX if given_high is None else given_high
@@ -80,4 +127,4 @@ def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
         high = max(low, high)
     elif given_low is None:
         low = min(low, high)
-    return SpeculativeConfig(str(method), raw["num_speculative_tokens"], low, high)
+    return SpeculativeConfig("ngram", k, low, high)

@@ -43,16 +43,23 @@ class NgramProposer:
     def _drafts(self, request: Request) -> list[int]:
         if request.is_finished or not can_draft(request.sampling_params):
             return []
-        if request.num_computed_tokens != request.num_tokens - 1:
-            return []  # still prefilling: drafts come after the prompt is in the cache
-        # Room for the drafts and the step's own token, within max_tokens and the model.
-        room = self.max_model_len - request.num_tokens - 1
-        max_tokens = request.sampling_params.max_tokens
-        if max_tokens is not None:
-            room = min(room, max_tokens - request.num_output_tokens - 1)
+        room = draft_room(request, self.max_model_len, self.k)
         if room <= 0:
             return []
-        return find_continuation(request.all_token_ids, self.low, self.high, min(self.k, room))
+        return find_continuation(request.all_token_ids, self.low, self.high, room)
+
+
+def draft_room(request: Request, max_model_len: int, k: int) -> int:
+    """How many drafts `request` can use next step: none while it is still prefilling
+    (drafts follow a prompt in the cache); else up to k, leaving room for the step's own
+    token within max_tokens and the model's length."""
+    if request.num_computed_tokens != request.num_tokens - 1:
+        return 0
+    room = min(k, max_model_len - request.num_tokens - 1)
+    max_tokens = request.sampling_params.max_tokens
+    if max_tokens is not None:
+        room = min(room, max_tokens - request.num_output_tokens - 1)
+    return room
 
 
 def find_continuation(tokens: list[int], low: int, high: int, k: int) -> list[int]:

@@ -19,6 +19,7 @@ from engine import LLM, SamplingParams, StructuredOutputsParams
 from engine.request import Request
 from engine.spec_decode import SpeculativeConfig, parse_speculative_config
 from engine.spec_decode.ngram import find_continuation
+from engine.spec_decode.suffix import SuffixTrie
 from engine.worker.sampler import Sampler, SamplingRow
 from tests.engine.test_correctness import CHECKED, hf_greedy, make_prompts, tiny_llm
 from tests.tiny_models import make_tiny_model
@@ -42,6 +43,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
             '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 7}',
             SpeculativeConfig("ngram", 2, 7, 7),
         ),
+        (
+            '{"method": "suffix", "num_speculative_tokens": 6, '
+            '"suffix_decoding_min_token_prob": 0.2, "suffix_decoding_max_cached_requests": 0}',
+            SpeculativeConfig("suffix", 6, suffix_min_token_prob=0.2, suffix_max_cached_requests=0),
+        ),
         ("", None),
     ],
 )
@@ -54,7 +60,13 @@ def test_parses_vllms_spelling(text: str, expected: SpeculativeConfig | None) ->
     [
         ("ngram", "not JSON"),
         ("[1]", "JSON object"),
-        ('{"method": "suffix", "num_speculative_tokens": 3}', "not implemented yet"),
+        ('{"method": "eagle3", "num_speculative_tokens": 3}', "not implemented yet"),
+        ('{"method": "suffix", "num_speculative_tokens": 3, "prompt_lookup_min": 2}', "keys"),
+        (
+            '{"method": "suffix", "num_speculative_tokens": 3, '
+            '"suffix_decoding_max_tree_depth": 1}',
+            "2-64",
+        ),
         ('{"method": "draft_model", "model": "x", "num_speculative_tokens": 3}', "not impl"),
         ('{"method": "foo", "num_speculative_tokens": 3}', "not one of"),
         ('{"method": "ngram"}', "needs num_speculative_tokens"),
@@ -82,6 +94,34 @@ def test_finds_the_latest_earlier_occurrence_of_the_longest_suffix() -> None:
     # Token 256's bytes (00 01 00 00) end where token 1's (01 00 00 00) start: a byte match
     # across two tokens is not a token match.
     assert find_continuation([256, 0, 9, 1, 0], 2, 2, 2) == []
+
+
+def test_suffix_trie_counts_runs_and_proposes_the_likeliest_continuation() -> None:
+    trie = SuffixTrie(depth=4)
+    trie.add([1, 2, 3, 1, 2, 4, 1, 2, 3])
+    root = trie.root
+    assert root.children[1].count == 3 and root.children[1].children[2].count == 3
+    assert root.children[1].children[2].children[3].count == 2
+    assert max(len(run) for run, _ in _paths(root)) == 4  # no run longer than the depth
+    # After "... 1 2": 3 twice, 4 once. min_prob 0.5 keeps 3 (2/3), not what follows it.
+    draft, score = trie.propose([9, 1, 2], k=5, factor=2.0, min_prob=0.5)
+    assert draft == [3, 1] and score == pytest.approx(2 / 3 + 2 / 3)
+    assert trie.propose([9, 1, 2], k=5, factor=2.0, min_prob=0.7) == ([], 0.0)
+    assert trie.propose([9, 1, 2], k=5, factor=0.5, min_prob=0.1)[0] == [3]  # factor * 2
+    # Counting in two calls is counting once; removing takes every count back.
+    split = SuffixTrie(depth=4)
+    split.add([1, 2, 3, 1, 2], 0)
+    split.add([1, 2, 3, 1, 2, 4, 1, 2, 3], 5)
+    assert sorted(_paths(split.root)) == sorted(_paths(root))
+    trie.remove([1, 2, 3, 1, 2, 4, 1, 2, 3])
+    assert root.children == {}
+
+
+def _paths(node, prefix=()):
+    """Every (run, count) under `node`."""
+    for token, child in node.children.items():
+        yield (*prefix, token), child.count
+        yield from _paths(child, (*prefix, token))
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +187,35 @@ def test_greedy_matches_transformers(model, mode: str) -> None:
     assert [tokens for tokens, _ in outputs] == reference
     if mode == "preempted":
         assert llm.core.scheduler.total_preemptions > 0
+
+
+def test_suffix_decoding_matches_transformers_and_drafts_from_other_requests(model) -> None:
+    """Suffix decoding: greedy token for token, batched and preempted; a prompt that does
+    not repeat itself gets drafts from an earlier request's output, through the shared
+    trie, and none with that trie off."""
+    path, prompts, reference = model
+    suffix = {"method": "suffix", "num_speculative_tokens": 4}
+    llm = tiny_llm(path, speculative_config=json.dumps(suffix))
+    outputs, counts, _ = tokens_and_stats(llm, prompts, [GREEDY] * len(prompts))
+    assert [tokens for tokens, _ in outputs] == reference and counts[2] > 0
+    small = tiny_llm(
+        path, speculative_config=json.dumps(suffix), num_kv_blocks=9, max_model_len=128
+    )
+    outputs, _, _ = tokens_and_stats(small, prompts, [GREEDY] * len(prompts))
+    assert [tokens for tokens, _ in outputs] == reference
+    assert small.core.scheduler.total_preemptions > 0
+
+    fresh = make_prompts(9, [30])  # no repeats inside: its own trie proposes little
+    expected = hf_greedy(path, fresh, MAX_TOKENS)
+    accepted = []
+    for cached in (10000, 0):
+        config = dict(suffix, suffix_decoding_max_cached_requests=cached)
+        llm = tiny_llm(path, speculative_config=json.dumps(config))
+        first, *_ = tokens_and_stats(llm, fresh, [GREEDY])
+        again, again_counts, _ = tokens_and_stats(llm, fresh, [GREEDY])
+        assert first[0][0] == again[0][0] == expected[0]
+        accepted.append(again_counts[2])
+    assert accepted[0] >= MAX_TOKENS // 2 and accepted[1] < accepted[0]
 
 
 def test_stops_inside_accepted_drafts(model) -> None:
