@@ -16,17 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, EngineArgs, SamplingParams
+from engine import LLM, EngineArgs
 from engine.config import resolve_model_config
 from engine.models.arch import ModelArch
 from engine.models.loader import load_model
 from engine.models.moe import SparseMoE
-from tests.engine.test_correctness import engine_tokens, hf_greedy, make_prompts, tiny_llm
+from tests.engine.models.arch_cases import MODES, ArchCase, check_mode, make_case
+from tests.engine.test_correctness import tiny_llm
 from tests.tiny_models import make_config, make_tiny_model
 
-PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-# Most cross a block boundary while decoding, so a small cache must preempt.
-LENGTHS = [13, 30, 45, 14, 62, 7]
 VARIANTS = {
     "qwen3_moe-dense-layer": ("qwen3_moe", dict(norm_topk_prob=False, mlp_only_layers=[0])),
     "qwen3_moe-norm-topk": ("qwen3_moe", dict(norm_topk_prob=True)),
@@ -35,45 +33,19 @@ VARIANTS = {
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
-def moe(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+def moe(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ArchCase:
     kind, overrides = VARIANTS[request.param]
-    path = make_tiny_model(kind, tmp_path_factory.mktemp(request.param), **overrides)
-    prompts = make_prompts(1, LENGTHS)
-    prefix = make_prompts(2, [2 * 16 + 3])[0]  # two full blocks of 16 and a bit
-    shared = [prefix + tail for tail in make_prompts(3, [4, 11, 1])]
-    reference = hf_greedy(path, prompts + shared, PARAMS.max_tokens)
-    return path, prompts, shared, reference[: len(prompts)], reference[len(prompts) :]
+    return make_case(kind, tmp_path_factory.mktemp(request.param), **overrides)
 
 
-def test_alone_and_batched(moe) -> None:
-    path, prompts, _, reference, _ = moe
-    llm = tiny_llm(path, enable_prefix_caching=False)
-    sparse = [layer.mlp for layer in llm.core.runner.model.layers]
-    assert any(isinstance(mlp, SparseMoE) for mlp in sparse)
-    assert [engine_tokens(llm, [p], PARAMS)[0] for p in prompts] == reference
-    assert engine_tokens(llm, prompts, PARAMS) == reference
+def test_some_layers_are_sparse(moe: ArchCase) -> None:
+    llm = tiny_llm(moe.path)
+    assert any(isinstance(layer.mlp, SparseMoE) for layer in llm.core.runner.model.layers)
 
 
-def test_chunked_prefill(moe) -> None:
-    path, prompts, _, reference, _ = moe
-    llm = tiny_llm(path, max_num_batched_tokens=16)
-    assert engine_tokens(llm, prompts, PARAMS) == reference
-
-
-def test_prefix_cache_hit(moe) -> None:
-    path, _, shared, _, reference = moe
-    llm = tiny_llm(path)
-    first = engine_tokens(llm, shared[:1], PARAMS)
-    outputs = llm.generate(shared[1:], PARAMS)
-    assert first + [o.outputs[0].token_ids for o in outputs] == reference
-    assert all(o.num_cached_tokens == 32 for o in outputs)
-
-
-def test_preemption(moe) -> None:
-    path, prompts, _, reference, _ = moe
-    llm = tiny_llm(path, num_kv_blocks=6, max_model_len=96)
-    assert engine_tokens(llm, prompts, PARAMS) == reference
-    assert llm.core.scheduler.total_preemptions > 0
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_matches_transformers(moe: ArchCase, mode: str) -> None:
+    check_mode(moe, mode)
 
 
 def test_sparse_layers_follow_transformers() -> None:

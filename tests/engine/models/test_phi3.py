@@ -14,81 +14,50 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import EngineArgs, SamplingParams
+from engine import EngineArgs
 from engine.config import QuantConfig, resolve_model_config
 from engine.models.arch import ModelArch
+from engine.models.hf_config import load_hf_config
 from engine.models.layers import Linear, RotaryEmbedding, rotate_half_order
 from engine.models.loader import load_model
 from engine.models.quantized import dequantize
 from engine.ops.native_ops import rope_reference
+from tests.engine.models.arch_cases import MODES, PARAMS, ArchCase, check_mode, make_case
 from tests.engine.models.test_quantized_model import all_logits
-from tests.engine.test_correctness import engine_tokens, hf_greedy, make_prompts, tiny_llm
+from tests.engine.test_correctness import engine_tokens
 from tests.engine.test_tensor_parallel import tp_llm
 from tests.tiny_models import make_config, make_tiny_model
 
-PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-# Most cross a block boundary while decoding, so a small cache must preempt.
-LENGTHS = [13, 30, 45, 14, 62, 7]
 VARIANTS = ["phi3", "phi3-longrope"]
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
-def phi3(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    path = make_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
-    prompts = make_prompts(1, LENGTHS)
-    prefix = make_prompts(2, [2 * 16 + 3])[0]  # two full blocks of 16 and a bit
-    shared = [prefix + tail for tail in make_prompts(3, [4, 11, 1])]
-    reference = hf_greedy(path, prompts + shared, PARAMS.max_tokens)
-    return path, prompts, shared, reference[: len(prompts)], reference[len(prompts) :]
+def phi3(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ArchCase:
+    return make_case(request.param, tmp_path_factory.mktemp(request.param))
 
 
-def test_alone_and_batched(phi3) -> None:
-    path, prompts, _, reference, _ = phi3
-    llm = tiny_llm(path, enable_prefix_caching=False)
-    assert llm.config.model.arch.model_type == "phi3"
-    assert [engine_tokens(llm, [p], PARAMS)[0] for p in prompts] == reference
-    assert engine_tokens(llm, prompts, PARAMS) == reference
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_matches_transformers(phi3: ArchCase, mode: str) -> None:
+    assert ModelArch.from_hf_config(load_hf_config(phi3.path, None)).model_type == "phi3"
+    check_mode(phi3, mode)
 
 
-def test_chunked_prefill(phi3) -> None:
-    path, prompts, _, reference, _ = phi3
-    llm = tiny_llm(path, max_num_batched_tokens=16)
-    assert engine_tokens(llm, prompts, PARAMS) == reference
-
-
-def test_prefix_cache_hit(phi3) -> None:
-    path, _, shared, _, reference = phi3
-    llm = tiny_llm(path)
-    first = engine_tokens(llm, shared[:1], PARAMS)
-    outputs = llm.generate(shared[1:], PARAMS)
-    assert first + [o.outputs[0].token_ids for o in outputs] == reference
-    assert all(o.num_cached_tokens == 32 for o in outputs)
-
-
-def test_preemption(phi3) -> None:
-    path, prompts, _, reference, _ = phi3
-    llm = tiny_llm(path, num_kv_blocks=6, max_model_len=96)
-    assert engine_tokens(llm, prompts, PARAMS) == reference
-    assert llm.core.scheduler.total_preemptions > 0
-
-
-def test_two_tensor_parallel_ranks(phi3) -> None:
+def test_two_tensor_parallel_ranks(phi3: ArchCase) -> None:
     """Each rank holds whole heads, so the reordered rotary dims stay within a rank."""
-    path, prompts, _, reference, _ = phi3
-    llm = tp_llm(path)
+    llm = tp_llm(phi3.path)
     try:
-        assert engine_tokens(llm, prompts, PARAMS) == reference
+        assert engine_tokens(llm, phi3.prompts, PARAMS) == phi3.reference
     finally:
         llm.close()
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
-def test_quantized_weights_run_as_their_dequantized_floats(phi3, method: str) -> None:
+def test_quantized_weights_run_as_their_dequantized_floats(phi3: ArchCase, method: str) -> None:
     """int8/int4 quantize every linear layer (the fused qkv and gate/up ones included, after
     the rotary dims are reordered): the logits equal those of the float model whose weights
     are the quantized ones dequantized, up to float32 summation order, also through the
     quantized kernel's decode-sized steps."""
-    path, prompts, *_ = phi3
+    path, prompts = phi3.path, phi3.prompts
     quantized, _ = load_model(path, torch.float32, "cpu", QuantConfig(method))
     reference, _ = load_model(path, torch.float32, "cpu")
     pairs = [
