@@ -36,13 +36,16 @@ class SuffixTrie:
         self.depth = depth
         self.root = _Node()
 
-    def add(self, tokens: Sequence[int], start: int = 0) -> None:
+    def add(
+        self, tokens: Sequence[int], start: int = 0, frontier: list[_Node] | None = None
+    ) -> list[_Node]:
         """Counts the runs that end at positions start.. of `tokens` (the earlier ones were
         counted by an earlier call): each new token extends the runs of up to depth - 1
-        tokens that end before it, whose nodes are kept as a frontier."""
-        frontier = [
-            self._walk(tokens[b:start]) for b in range(max(0, start - self.depth + 1), start)
-        ]
+        tokens that end before it. Returns their nodes after the last token, the frontier
+        a later call from len(tokens) may pass back to skip finding them again."""
+        if frontier is None:
+            first = max(0, start - self.depth + 1)
+            frontier = [self._walk(tokens[b:start]) for b in range(first, start)]
         for token in tokens[start:]:
             extended = []
             for node in [*frontier, self.root]:
@@ -52,6 +55,7 @@ class SuffixTrie:
                 child.count += 1
                 extended.append(child)
             frontier = extended[-(self.depth - 1) :] if self.depth > 1 else []
+        return frontier
 
     def remove(self, tokens: Sequence[int]) -> None:
         """Takes back the counts `add(tokens)` made; emptied nodes go."""
@@ -119,15 +123,16 @@ class SuffixProposer:
         self.shared = SuffixTrie(self.depth)
         # Finished requests' outputs in the shared trie, oldest first.
         self._cached: OrderedDict[str, list[int]] = OrderedDict()
-        # Each tracked request, its own trie and how many of its tokens it has counted.
-        self._own: dict[str, tuple[Request, SuffixTrie, int]] = {}
+        # Each tracked request: its own trie, how many of its tokens it has counted, and the
+        # nodes of the runs that end at the last of them.
+        self._own: dict[str, tuple[Request, SuffixTrie, int, list[_Node]]] = {}
 
     def propose(self, requests: Iterable[Request]) -> None:
         """Mutates each running request's `spec_token_ids`; takes the outputs of the
         tracked requests that have finished into the shared trie."""
         running = {r.request_id: r for r in requests}
         for request_id in [rid for rid in self._own if rid not in running]:
-            request, _, _ = self._own[request_id]
+            request = self._own[request_id][0]
             if request.is_finished:
                 del self._own[request_id]
                 self._cache_output(request_id, request.output_token_ids)
@@ -139,9 +144,12 @@ class SuffixProposer:
             return []
         tokens = request.all_token_ids
         entry = self._own.get(request.request_id)
-        trie, counted = (SuffixTrie(self.depth), 0) if entry is None else entry[1:]
-        trie.add(tokens, counted)
-        self._own[request.request_id] = (request, trie, len(tokens))
+        if entry is None:  # its prompt, counted once: about 30 us a token, in Python
+            trie, counted, frontier = SuffixTrie(self.depth), 0, None
+        else:
+            _, trie, counted, frontier = entry
+        frontier = trie.add(tokens, counted, frontier)
+        self._own[request.request_id] = (request, trie, len(tokens), frontier)
         room = draft_room(request, self.max_model_len, self.k)
         if room <= 0:
             return []

@@ -109,10 +109,12 @@ def test_suffix_trie_counts_runs_and_proposes_the_likeliest_continuation() -> No
     assert trie.propose([9, 1, 2], k=5, factor=2.0, min_prob=0.7) == ([], 0.0)
     assert trie.propose([9, 1, 2], k=5, factor=0.5, min_prob=0.1)[0] == [3]  # factor * 2
     # Counting in two calls is counting once; removing takes every count back.
-    split = SuffixTrie(depth=4)
+    split, resumed = SuffixTrie(depth=4), SuffixTrie(depth=4)
     split.add([1, 2, 3, 1, 2], 0)
     split.add([1, 2, 3, 1, 2, 4, 1, 2, 3], 5)
-    assert sorted(_paths(split.root)) == sorted(_paths(root))
+    frontier = resumed.add([1, 2, 3, 1, 2])  # handed back: the runs ending at the last token
+    resumed.add([1, 2, 3, 1, 2, 4, 1, 2, 3], 5, frontier)
+    assert sorted(_paths(split.root)) == sorted(_paths(resumed.root)) == sorted(_paths(root))
     trie.remove([1, 2, 3, 1, 2, 4, 1, 2, 3])
     assert root.children == {}
 
