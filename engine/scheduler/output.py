@@ -60,8 +60,11 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
     # An embedding engine's: each request that finished its prefill, its embedding.
     pooled: dict[str, list[float]] = field(default_factory=dict)
-    # Speculative decoding: the drafts accepted, which precede the sampled token.
+    # Speculative decoding: the drafts accepted, which precede the sampled token, and,
+    # where logprobs were asked for, one entry per accepted draft and sampled token (such a
+    # request has none in `logprobs`).
     accepted_draft_ids: dict[str, list[int]] = field(default_factory=dict)
+    spec_logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -289,12 +289,15 @@ class Scheduler:
         if status is not None:
             self._finish(request, status)
         logprobs = runner_output.logprobs.get(request_id)
+        new_logprobs = runner_output.spec_logprobs.get(request_id) or (
+            [logprobs] if logprobs is not None else []
+        )
         return EngineCoreOutput(
             request_id,
             new_tokens,
             finish_reason=status.finish_reason if status else None,
             stop_reason=request.stop_reason,
-            new_logprobs=[logprobs] if logprobs is not None else [],
+            new_logprobs=new_logprobs[: len(new_tokens)],
             prompt_logprobs=prompt_logprobs,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             queue_time=self._queue_time(request) if first else None,

@@ -14,13 +14,13 @@ from engine.spec_decode.config import SpeculativeConfig
 def can_draft(params: SamplingParams) -> bool:
     """Whether a request with these parameters takes drafts. Verification samples each
     position from the same filtered distribution a plain step would (temperature, top-k,
-    top-p, min-p); what makes a position depend on the tokens drafted before it in the
-    same step (penalties, logit bias, min_tokens), a seed (whose draws are tied to the
-    output index), logprobs and grammars decode one token a step instead."""
+    top-p, min-p), and reports each token's logprobs as a plain step would; what makes a
+    position depend on the tokens drafted before it in the same step (penalties, logit
+    bias, min_tokens), a seed (whose draws are tied to the output index), prompt logprobs
+    and grammars decode one token a step instead."""
     return (
         params.structured_outputs is None
         and params.seed is None
-        and params.logprobs is None
         and params.prompt_logprobs is None
         and not params.logit_bias
         and not params.needs_penalties

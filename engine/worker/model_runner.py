@@ -69,7 +69,11 @@ class PendingOutput:
         logprobs: LogprobTensors | None,
         num_top: list[int | None],
         prompt_logprobs: dict[str, list[Logprobs]],
-        verified: tuple[dict[str, int], dict[str, list[int]]] = ({}, {}),
+        verified: tuple[dict[str, int], dict[str, list[int]], dict[str, list[Logprobs]]] = (
+            {},
+            {},
+            {},
+        ),
     ) -> None:
         """`verified`: the tokens and accepted drafts of the rows that verified drafts
         (speculative decoding), already on the host."""
@@ -109,10 +113,14 @@ class PendingOutput:
                 for rid, lp in zip(self._request_ids, entries, strict=True)
                 if lp is not None
             }
-        verified_tokens, accepted = self._verified
+        verified_tokens, accepted, spec_logprobs = self._verified
         sampled = dict(zip(self._request_ids, tokens, strict=True)) | verified_tokens
         self._result = ModelRunnerOutput(
-            sampled, logprobs, self._prompt_logprobs, accepted_draft_ids=accepted
+            sampled,
+            logprobs,
+            self._prompt_logprobs,
+            accepted_draft_ids=accepted,
+            spec_logprobs=spec_logprobs,
         )
         return self._result
 
@@ -278,7 +286,9 @@ class ModelRunner:
         request_ids = [s.request.request_id for s in states]
         if not rows:
             prompt_logprobs = self._prompt_logprobs(hidden, host, batch)
-            output = ModelRunnerOutput(verified[0], {}, prompt_logprobs, {}, verified[1])
+            output = ModelRunnerOutput(
+                verified[0], {}, prompt_logprobs, {}, verified[1], verified[2]
+            )
             return PendingOutput.ready(output)
         with self.profiler.section("logits"):
             logits = self.model.compute_logits(self._last_hidden(hidden, host, rows))
@@ -295,29 +305,35 @@ class ModelRunner:
 
     def _verify(
         self, hidden: torch.Tensor, host: StepMetadata, batch: StepBatch, rows: list[int]
-    ) -> tuple[dict[str, int], dict[str, list[int]]]:
+    ) -> tuple[dict[str, int], dict[str, list[int]], dict[str, list[Logprobs]]]:
         """Speculative decoding: each of `rows` verifies its drafts on the logits of its
-        last num_drafts + 1 positions. Returns the token each samples after the drafts it
-        accepts, and those drafts, by request id."""
+        last num_drafts + 1 positions. Returns, by request id, the token each samples after
+        the drafts it accepts, those drafts, and where asked for the logprobs of each (the
+        raw distribution's at its position, as a plain step reports them)."""
         if not rows:
-            return {}, {}
+            return {}, {}, {}
         ends = host.qo_indptr[1:]
         spans = [(int(ends[r]) - batch.num_drafts[r] - 1, int(ends[r])) for r in rows]
         positions = np.concatenate([np.arange(a, b) for a, b in spans])
         with self.profiler.section("logits"):
             logits = self.model.compute_logits(hidden[self._to_device(torch.from_numpy(positions))])
-        tokens, accepted = {}, {}
+        tokens, accepted, logprobs = {}, {}, {}
         with self.profiler.section("sampling"):
             first = 0
             for r, (a, b) in zip(rows, spans, strict=True):
                 state = batch.requests[r]
                 drafts = batch.input_ids[b - batch.num_drafts[r] : b].tolist()
                 rid = state.request.request_id
-                accepted[rid], tokens[rid] = self.sampler.verify(
-                    logits[first : first + b - a], state.sampling_row(), drafts
-                )
+                own = logits[first : first + b - a]
+                accepted[rid], tokens[rid] = self.sampler.verify(own, state.sampling_row(), drafts)
+                num_top = state.request.sampling_params.logprobs
+                if num_top is not None:
+                    out = [*accepted[rid], tokens[rid]]
+                    raw = torch.log_softmax(own[: len(out), : self.arch.vocab_size], dim=-1)
+                    entries = collect_logprobs(raw, out, [num_top] * len(out))
+                    logprobs[rid] = [e for e in entries if e is not None]
                 first += b - a
-        return tokens, accepted
+        return tokens, accepted, logprobs
 
     def _last_hidden(
         self, hidden: torch.Tensor, host: StepMetadata, rows: list[int]

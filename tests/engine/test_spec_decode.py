@@ -238,9 +238,33 @@ def test_stops_inside_accepted_drafts(model) -> None:
     assert len(spec[3][0]) == 7
 
 
+def test_logprobs_of_accepted_drafts(model) -> None:
+    """A request with logprobs takes drafts, and gets an entry for every token, accepted
+    draft or not: the chosen token's logprob, rank and the top alternatives of the raw
+    distribution at its position, as without speculation."""
+    path, prompts, _ = model
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=3, ignore_eos=True)
+
+    def run(llm: LLM) -> list[list[tuple[int, float, int, list[int]]]]:
+        return [
+            [(lp.token_id, lp.logprob, lp.rank, [t for t, _ in lp.top]) for lp in c.logprobs]
+            for c in (o.outputs[0] for o in llm.generate(prompts, params))
+        ]
+
+    plain, spec = run(tiny_llm(path)), run(spec_llm(path))
+    assert [len(entries) for entries in spec] == [MAX_TOKENS] * len(prompts)
+    for ours, theirs in zip(spec, plain, strict=True):
+        assert [(t, r, top) for t, _, r, top in ours] == [(t, r, top) for t, _, r, top in theirs]
+        assert [lp for _, lp, _, _ in ours] == pytest.approx(
+            [lp for _, lp, _, _ in theirs], abs=1e-4
+        )
+    _, counts, _ = tokens_and_stats(spec_llm(path), prompts, [params] * len(prompts))
+    assert counts[2] > 0  # drafts were accepted for them
+
+
 def test_requests_that_take_no_drafts_are_unchanged(model, tmp_path: Path) -> None:
-    """Logprobs, penalties, seeds and grammars decode one token a step: the same output as
-    without speculation, beside greedy requests that do take drafts."""
+    """Penalties, seeds and grammars decode one token a step: the same output as without
+    speculation, beside greedy requests that do take drafts."""
     path, prompts, _ = model
     params = [
         SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True),

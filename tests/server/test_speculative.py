@@ -56,6 +56,15 @@ def test_same_text_and_counted_drafts(servers) -> None:
     ]  # every position is exported, accepted drafts or not
     assert sum(per_position) == accepted and per_position[0] > 0
     assert plain.metric("vllm:spec_decode_num_draft_tokens_total") == 0
+    # Logprobs of accepted drafts: one entry a token, as without speculation.
+    body = dict(body, logprobs=2)
+    expected = client(plain).completions.create(**body)  # type: ignore[call-overload]
+    got = client(spec).completions.create(**body)  # type: ignore[call-overload]
+    assert got.choices[0].logprobs.tokens == expected.choices[0].logprobs.tokens
+    assert len(got.choices[0].logprobs.token_logprobs) == 40
+    assert got.choices[0].logprobs.token_logprobs == pytest.approx(
+        expected.choices[0].logprobs.token_logprobs, abs=1e-4
+    )
 
 
 def test_async_scheduling_through_the_core_process(tiny_model_dir: Path, servers) -> None:
