@@ -121,8 +121,10 @@ class SuffixProposer:
         self.max_cached = config.suffix_max_cached_requests
         self.max_model_len = max_model_len
         self.shared = SuffixTrie(self.depth)
-        # Finished requests' outputs in the shared trie, oldest first.
-        self._cached: OrderedDict[str, list[int]] = OrderedDict()
+        # Finished requests' outputs in the shared trie, oldest first (by arrival in it: a
+        # request id may come back).
+        self._cached: OrderedDict[int, list[int]] = OrderedDict()
+        self._num_cached = 0
         # Each tracked request: its own trie, how many of its tokens it has counted, and the
         # nodes of the runs that end at the last of them.
         self._own: dict[str, tuple[Request, SuffixTrie, int, list[_Node]]] = {}
@@ -135,7 +137,7 @@ class SuffixProposer:
             request = self._own[request_id][0]
             if request.is_finished:
                 del self._own[request_id]
-                self._cache_output(request_id, request.output_token_ids)
+                self._cache_output(request.output_token_ids)
         for request in running.values():
             request.spec_token_ids = self._drafts(request)
 
@@ -157,11 +159,12 @@ class SuffixProposer:
         shared = self.shared.propose(tokens, room, self.factor, self.min_prob)
         return (own if own[1] >= shared[1] else shared)[0]
 
-    def _cache_output(self, request_id: str, output: list[int]) -> None:
+    def _cache_output(self, output: list[int]) -> None:
         if self.max_cached == 0 or not output:
             return
         self.shared.add(output)
-        self._cached[request_id] = list(output)
+        self._num_cached += 1
+        self._cached[self._num_cached] = list(output)
         while len(self._cached) > self.max_cached:
             _, oldest = self._cached.popitem(last=False)
             self.shared.remove(oldest)

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams, StructuredOutputsParams
-from engine.request import Request
+from engine.request import Request, RequestStatus
 from engine.spec_decode import SpeculativeConfig, parse_speculative_config
 from engine.spec_decode.ngram import find_continuation
-from engine.spec_decode.suffix import SuffixTrie
+from engine.spec_decode.suffix import SuffixProposer, SuffixTrie
 from engine.worker.sampler import Sampler, SamplingRow
 from tests.engine.test_correctness import CHECKED, hf_greedy, make_prompts, tiny_llm
 from tests.tiny_models import make_tiny_model
@@ -117,6 +117,21 @@ def test_suffix_trie_counts_runs_and_proposes_the_likeliest_continuation() -> No
     assert sorted(_paths(split.root)) == sorted(_paths(resumed.root)) == sorted(_paths(root))
     trie.remove([1, 2, 3, 1, 2, 4, 1, 2, 3])
     assert root.children == {}
+
+
+def test_suffix_cache_keeps_the_latest_outputs() -> None:
+    """With suffix_decoding_max_cached_requests 1, a finished request's output replaces the
+    one before in the shared trie, also under the same request id."""
+    proposer = SuffixProposer(SpeculativeConfig("suffix", 4, suffix_max_cached_requests=1), 64)
+    for output in ([7, 8, 9], [4, 5, 6]):
+        request = Request("same-id", [1, 2], SamplingParams(temperature=0.0, max_tokens=10))
+        proposer.propose([request])  # tracked while it runs
+        for token in output:
+            request.append_output_token(token)
+        request.status = RequestStatus.FINISHED_LENGTH
+        proposer.propose([])  # gone from the running ones: its output is cached
+    runs = {run for run, _ in _paths(proposer.shared.root)}
+    assert (4, 5, 6) in runs and not any(7 in run for run in runs)
 
 
 def _paths(node, prefix=()):
