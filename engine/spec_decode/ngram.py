@@ -16,11 +16,11 @@ def can_draft(params: SamplingParams) -> bool:
     position from the same filtered distribution a plain step would (temperature, top-k,
     top-p, min-p), and reports each token's logprobs as a plain step would; what makes a
     position depend on the tokens drafted before it in the same step (penalties, logit
-    bias, min_tokens), a seed (whose draws are tied to the output index), prompt logprobs
-    and grammars decode one token a step instead."""
+    bias, min_tokens), a seed (whose draws are tied to the output index) and prompt
+    logprobs decode one token a step instead. A grammar keeps the drafts it allows
+    (grammar_checked)."""
     return (
-        params.structured_outputs is None
-        and params.seed is None
+        params.seed is None
         and params.prompt_logprobs is None
         and not params.logit_bias
         and not params.needs_penalties
@@ -46,7 +46,15 @@ class NgramProposer:
         room = draft_room(request, self.max_model_len, self.k)
         if room <= 0:
             return []
-        return find_continuation(request.all_token_ids, self.low, self.high, room)
+        drafts = find_continuation(request.all_token_ids, self.low, self.high, room)
+        return grammar_checked(request, drafts)
+
+
+def grammar_checked(request: Request, drafts: list[int]) -> list[int]:
+    """A constrained request's drafts cut where its grammar stops allowing them."""
+    if request.structured is None or not drafts:
+        return drafts
+    return request.structured.valid_drafts(drafts)
 
 
 def draft_room(request: Request, max_model_len: int, k: int) -> int:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from engine.request import Request
 from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.ngram import can_draft, draft_room
+from engine.spec_decode.ngram import can_draft, draft_room, grammar_checked
 
 
 @dataclass(eq=False)
@@ -157,7 +157,7 @@ class SuffixProposer:
             return []
         own = trie.propose(tokens, room, self.factor, self.min_prob)
         shared = self.shared.propose(tokens, room, self.factor, self.min_prob)
-        return (own if own[1] >= shared[1] else shared)[0]
+        return grammar_checked(request, (own if own[1] >= shared[1] else shared)[0])
 
     def _cache_output(self, output: list[int]) -> None:
         if self.max_cached == 0 or not output:

@@ -45,6 +45,13 @@ class LLGuidanceMatcher:
     def fill_bitmask(self, address: int, num_bytes: int) -> None:
         self._matcher.unsafe_compute_mask_ptr(address, num_bytes)
 
+    def validate_tokens(self, token_ids: list[int]) -> int:
+        return int(self._matcher.validate_tokens(token_ids))
+
+    def rollback(self, num_tokens: int) -> None:
+        if not self._matcher.rollback(num_tokens):
+            raise RuntimeError(f"the grammar matcher could not roll back {num_tokens} tokens")
+
 
 class LLGuidanceGrammar:
     """A compiled grammar: a matcher at its start, copied for each request."""

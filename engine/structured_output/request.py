@@ -33,6 +33,15 @@ class GrammarMatcher(Protocol):
         is set iff token t is allowed. `num_bytes` is 4 * ceil(vocab_size / 32)."""
         ...
 
+    def validate_tokens(self, token_ids: list[int]) -> int:
+        """How many of `token_ids`, from the first, the grammar allows in turn; consumes
+        nothing."""
+        ...
+
+    def rollback(self, num_tokens: int) -> None:
+        """Takes back the last `num_tokens` accepted tokens."""
+        ...
+
 
 class CompiledGrammar(Protocol):
     """A grammar compiled once and shared by every request with the same constraint."""
@@ -78,6 +87,26 @@ class StructuredOutputRequest:
             for token in self.reasoning.start_ids:
                 word = ctypes.c_uint32.from_address(address + 4 * (token // 32))
                 word.value |= 1 << (token % 32)
+
+    def valid_drafts(self, drafts: list[int]) -> list[int]:
+        """The longest prefix of `drafts` the grammar allows from here (speculative
+        decoding); none while the output may still open or be inside reasoning, whose
+        tokens the grammar does not see."""
+        if self.matcher is None or self.phase != "grammar" or self.matcher.is_terminated():
+            return []
+        return drafts[: self.matcher.validate_tokens(drafts)]
+
+    def fill_draft_bitmasks(self, drafts: list[int], addresses: list[int], num_bytes: int) -> None:
+        """The bitmask before each draft and after the last (len(drafts) + 1 addresses):
+        the matcher accepts the drafts one by one, then rolls them all back. The drafts
+        must be valid_drafts'."""
+        assert self.matcher is not None and self.phase == "grammar"
+        for i, address in enumerate(addresses):
+            self.matcher.fill_bitmask(address, num_bytes)
+            if i < len(drafts) and not self.matcher.accept_token(drafts[i]):
+                self.matcher.rollback(i)
+                raise RuntimeError(f"draft {drafts[i]} was validated but the grammar refused it")
+        self.matcher.rollback(len(drafts))
 
     def ready(self) -> bool:
         """True once compiled (or failed: see `error`); creates the matcher the first time."""

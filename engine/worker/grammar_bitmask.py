@@ -52,6 +52,21 @@ class GrammarBitmask:
                 masks.append(request.structured)
         self.apply(logits, rows, masks)
 
+    def apply_to_drafts(self, logits: torch.Tensor, request: Request, drafts: list[int]) -> None:
+        """Mutates `logits` (len(drafts) + 1, >= vocab), one request's verified positions
+        (speculative decoding): each row masked by the grammar's state after the drafts
+        before it."""
+        structured = request.structured
+        if structured is None or not structured.constrains_next():
+            return
+        rows = len(drafts) + 1
+        # A buffer of its own: several requests verify drafts in one step, and on CUDA the
+        # last one's copy may still be in flight.
+        host = self._allocate(rows)
+        addresses = [host[i].data_ptr() for i in range(rows)]
+        structured.fill_draft_bitmasks(drafts, addresses, self.num_words * 4)
+        self._mask(logits, host)
+
     def apply(self, logits: torch.Tensor, rows: list[int], matchers: Sequence[Bitmask]) -> None:
         """Mutates `logits` (num_rows, >= vocab): in each listed row, tokens the row's matcher
         does not allow become -inf (columns past the vocabulary too)."""
@@ -63,15 +78,19 @@ class GrammarBitmask:
         num_bytes = self.num_words * 4
         for i, matcher in enumerate(matchers):
             matcher.fill_bitmask(host[i].data_ptr(), num_bytes)
-        words = host.to(self.device, non_blocking=True)  # (k, num_words) int32
-        forbidden = (words[:, :, None] & self._bits) == 0  # (k, num_words, 32)
-        forbidden = forbidden.view(len(rows), -1)[:, : self.vocab_size]
         if rows == list(range(logits.shape[0])):  # every row is constrained: in place
-            logits[:, : self.vocab_size].masked_fill_(forbidden, _MASK)
-            logits[:, self.vocab_size :] = _MASK
+            self._mask(logits, host)
             return
         index = torch.tensor(rows, dtype=torch.long, device=logits.device)
         masked = logits[index]
-        masked[:, : self.vocab_size].masked_fill_(forbidden, _MASK)
-        masked[:, self.vocab_size :] = _MASK
+        self._mask(masked, host)
         logits[index] = masked
+
+    def _mask(self, logits: torch.Tensor, host: torch.Tensor) -> None:
+        """Mutates `logits` (k, >= vocab): -inf wherever `host`'s (k, num_words) bitmask
+        has no bit, and past the vocabulary."""
+        words = host.to(self.device, non_blocking=True)  # (k, num_words) int32
+        forbidden = (words[:, :, None] & self._bits) == 0  # (k, num_words, 32)
+        forbidden = forbidden.view(len(host), -1)[:, : self.vocab_size]
+        logits[:, : self.vocab_size].masked_fill_(forbidden, _MASK)
+        logits[:, self.vocab_size :] = _MASK

@@ -325,6 +325,7 @@ class ModelRunner:
                 drafts = batch.input_ids[b - batch.num_drafts[r] : b].tolist()
                 rid = state.request.request_id
                 own = logits[first : first + b - a]
+                self.grammar_bitmask.apply_to_drafts(own, state.request, drafts)
                 accepted[rid], tokens[rid] = self.sampler.verify(own, state.sampling_row(), drafts)
                 num_top = state.request.sampling_params.logprobs
                 if num_top is not None:

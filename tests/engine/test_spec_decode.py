@@ -277,9 +277,39 @@ def test_logprobs_of_accepted_drafts(model) -> None:
     assert counts[2] > 0  # drafts were accepted for them
 
 
+def test_constrained_requests_verify_the_drafts_their_grammar_allows(tmp_path: Path) -> None:
+    """A grammar cuts a request's drafts where it stops allowing them, masks each verified
+    position by its state after the drafts before it, and advances through the accepted
+    ones: the same valid text as without speculation, greedy and sampled, with drafts
+    accepted (the output repeats itself, so n-grams find them)."""
+    path = make_tiny_model("llama", tmp_path / "bytes", byte_level=True)
+    schema = {
+        "type": "array",
+        "items": {"enum": ["abcd", "xy"]},
+        "minItems": 6,
+        "maxItems": 6,
+    }
+    constraint = StructuredOutputsParams(json=schema)
+    greedy = SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=constraint)
+    sampled = SamplingParams(temperature=1.0, max_tokens=60, structured_outputs=constraint)
+    prompts = [[5, 6, 7, 8, 9], [40, 41, 42]]
+    options: dict[str, object] = dict(dtype="float32", num_kv_blocks=64, max_model_len=256)
+    texts = []
+    for spec_config in (None, NGRAM):
+        llm = LLM(str(path), hooks=CHECKED, speculative_config=spec_config, **options)
+        texts.append([o.outputs[0].text for o in llm.generate(prompts, greedy)])
+        for text in [*texts[-1], *(o.outputs[0].text for o in llm.generate(prompts, sampled))]:
+            value = json.loads(text)
+            assert len(value) == 6 and set(value) <= {"abcd", "xy"}
+    assert texts[0] == texts[1]
+    llm = LLM(str(path), hooks=CHECKED, speculative_config=NGRAM, **options)
+    _, counts, _ = tokens_and_stats(llm, prompts, [greedy] * len(prompts))
+    assert counts[2] > 0
+
+
 def test_requests_that_take_no_drafts_are_unchanged(model, tmp_path: Path) -> None:
-    """Penalties, seeds and grammars decode one token a step: the same output as without
-    speculation, beside greedy requests that do take drafts."""
+    """Penalties and seeds decode one token a step: the same output as without speculation,
+    beside greedy requests that do take drafts; so do constrained ones (their own test)."""
     path, prompts, _ = model
     params = [
         SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True),
