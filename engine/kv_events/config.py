@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from typing import Any
+
+from engine.utils import json_flag
 
 
 @dataclass(frozen=True)
@@ -41,14 +42,9 @@ class KVEventsConfig:
     @classmethod
     def from_json(cls, text: str | None) -> KVEventsConfig:
         """Parses the flag's JSON object; raises ValueError naming a bad or unknown key."""
-        if text is None or not text.strip():
+        raw = json_flag(text, "kv-events-config")
+        if raw is None:
             return cls()
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"kv-events-config is not JSON: {exc}") from exc
-        if not isinstance(raw, dict):
-            raise ValueError("kv-events-config must be a JSON object")
         known = {f.name: f for f in fields(cls)}
         unknown = sorted(set(raw) - set(known))
         if unknown:

@@ -224,10 +224,12 @@ class Scheduler:
         the next step has been scheduled already: a request preempted by it still gets the
         token this step sampled for it, and one that ends here wastes its next step's row."""
         outputs, self._failed = self._failed, []
+        preempted_ended = False
         for entry in scheduler_output.scheduled:
             request = self.requests.get(entry.request_id)
             if request is None or request.status not in _TAKES_OUTPUT:
                 continue
+            was_preempted = request.status is RequestStatus.PREEMPTED
             if entry.request_id in runner_output.sampled_token_ids:
                 request.num_output_placeholders -= 1
             if entry.spec_token_ids:
@@ -235,9 +237,10 @@ class Scheduler:
             output = self._apply_output(request, entry.num_computed_tokens, runner_output)
             if output is not None:
                 outputs.append(output)
+            preempted_ended |= was_preempted and request.is_finished
         if any(r.is_finished for r in self.running):
             self.running = [r for r in self.running if not r.is_finished]
-        if any(r.is_finished for r in self.waiting):
+        if preempted_ended:  # async scheduling only: the waiting queue is left alone else
             self.waiting = deque(r for r in self.waiting if not r.is_finished)
         return StepResult(outputs, self.stats(scheduler_output.total_num_scheduled_tokens))
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
+
+from engine.utils import json_flag
 
 METHODS = ("ngram", "suffix")
 # vLLM's methods that are not implemented here: refused by name rather than as unknown.
@@ -78,14 +79,9 @@ def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
     ValueError naming what is wrong: bad JSON, an unknown or unimplemented key or method,
     a value out of range. One of the lookup bounds alone sets the other: a minimum
     raises the maximum to it if needed; a maximum lowers the minimum to it."""
-    if text is None or not text.strip():
+    raw = json_flag(text, "--speculative-config")
+    if raw is None:
         return None
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--speculative-config is not JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ValueError("--speculative-config must be a JSON object")
     method = raw.get("method")
     if method in NOT_YET:
         raise ValueError(
