@@ -43,12 +43,14 @@ ENTRY_POINTS = (
     "quant_ops.cpp",
     "bf16_linear_ops.cpp",
     "decoder_ops.cpp",
+    "lora_ops.cpp",
 )
 KERNELS = (
     "attention_kernels.cpp",
     "elementwise_kernels.cpp",
     "quant_kernels.cpp",
     "bf16_linear_kernels.cpp",
+    "lora_kernels.cpp",
 )
 BASELINE_ISA = "isa_portable"
 _AVX2 = ["-mavx2", "-mfma", "-mf16c"]

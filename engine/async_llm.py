@@ -26,7 +26,7 @@ import pickle
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
@@ -50,6 +50,7 @@ from engine.core_proc import (
 )
 from engine.errors import EngineClosedError, EngineDeadError, RequestValidationError
 from engine.introspection import EngineMonitor, EngineView
+from engine.lora.request import LoRARequest
 from engine.output_processor import EMBEDDING_PARAMS, OutputProcessor
 from engine.outputs import IterationStats
 from engine.pooling import PoolingParams, check_task
@@ -74,6 +75,7 @@ class _Add:
     labels: Mapping[str, str] | None
     arrival_time: float = field(default_factory=time.monotonic)
     pooling_params: PoolingParams | None = None
+    lora: LoRARequest | None = None
 
 
 @dataclass(frozen=True)
@@ -82,8 +84,12 @@ class _Abort:
 
 
 @dataclass(frozen=True)
-class _ResetPrefixCache:
-    done: asyncio.Future[bool]
+class _CoreCall:
+    """EngineCore.<method>(*args) between two steps, in order with the requests around it."""
+
+    method: str
+    args: tuple[Any, ...]
+    done: asyncio.Future[Any]
 
 
 def _log_call_failure(call: asyncio.Future[Any]) -> None:
@@ -119,7 +125,7 @@ class AsyncLLM:
         self.config: EngineConfig = core.config
         self.tokenizer = tokenizer
         self._processor = OutputProcessor(tokenizer, core.config.model.arch.eos_token_ids)
-        self._inbox: asyncio.Queue[_Add | _Abort | _ResetPrefixCache] = asyncio.Queue()
+        self._inbox: asyncio.Queue[_Add | _Abort | _CoreCall] = asyncio.Queue()
         self._collectors: dict[str, OutputCollector] = {}
         self._executor = None if self._remote is not None else executor or engine_thread()
         self._task: asyncio.Task[None] | None = None
@@ -280,9 +286,11 @@ class AsyncLLM:
         cache_salt: str | None = None,
         prompt: str | None = None,
         labels: Mapping[str, str] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Queues the request now; its stream yields the outputs (as `params.output_kind`
-        says) until it finishes. Closing the stream early aborts every choice.
+        says) until it finishes. Closing the stream early aborts every choice. With
+        `lora_request`, it runs with that adapter (added with add_lora first).
 
         Raises RequestValidationError for a prompt that can never run or on an embedding
         engine (see encode), EngineDeadError once the loop has failed. An output constraint
@@ -291,7 +299,8 @@ class AsyncLLM:
         awaits check_constraints() before this.
         """
         check_task(self.config.model.pooler, None)
-        return self._submit(_Add(request_id, prompt_token_ids, params, cache_salt, prompt, labels))
+        add = _Add(request_id, prompt_token_ids, params, cache_salt, prompt, labels)
+        return self._submit(add if lora_request is None else replace(add, lora=lora_request))
 
     def encode(
         self,
@@ -363,9 +372,21 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix between two steps, if no request holds KV blocks
         then; returns whether it did (KV event subscribers get AllBlocksCleared)."""
-        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._post(_ResetPrefixCache(done))
-        return bool(await done)
+        return bool(await self._core_call("reset_prefix_cache"))
+
+    async def add_lora(self, lora: LoRARequest) -> None:
+        """Reads and checks a LoRA adapter in the engine core, so that requests naming it
+        run; raises LoRAError for one that cannot serve (or without --enable-lora)."""
+        await self._core_call("add_lora", lora)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Drops a LoRA adapter's weights in the engine core; whether they were loaded."""
+        return bool(await self._core_call("remove_lora", lora_int_id))
+
+    async def _core_call(self, method: str, *args: Any) -> Any:
+        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._post(_CoreCall(method, args, done))
+        return await done
 
     async def watch(self) -> AsyncIterator[EngineView]:
         """Yields views of the engine's state (ids and counts, never text): an EngineSnapshot
@@ -394,7 +415,7 @@ class AsyncLLM:
                 # Not awaited: this generator may be closing. Only an exited core fails it.
                 self._remote.call("watch", None).add_done_callback(_log_call_failure)
 
-    def _post(self, message: _Add | _Abort | _ResetPrefixCache) -> None:
+    def _post(self, message: _Add | _Abort | _CoreCall) -> None:
         self._inbox.put_nowait(message)
         self._handover = True
 
@@ -568,7 +589,7 @@ class AsyncLLM:
                 if aborts:
                     self._remote.send(ABORT, ENCODER.encode(aborts))
                     aborts = []
-                self._call_reset(message)
+                self._call_core(message)
             if adds:
                 self._remote.send(ADD, ENCODER.encode(adds))
             if aborts:
@@ -597,6 +618,7 @@ class AsyncLLM:
             message.labels,
             message.arrival_time,
             message.pooling_params,
+            message.lora,
         )
 
     def _abort_choices(self, request_id: str) -> list[str]:
@@ -604,9 +626,9 @@ class AsyncLLM:
         self._abort_stats.finished += stats.finished
         return engine_ids
 
-    def _call_reset(self, message: _ResetPrefixCache) -> None:
+    def _call_core(self, message: _CoreCall) -> None:
         assert self._remote is not None
-        reply = self._remote.call("reset_prefix_cache")
+        reply = self._remote.call(message.method, *message.args)
 
         def done(reply: asyncio.Future[Any]) -> None:
             if message.done.done():
@@ -631,13 +653,16 @@ class AsyncLLM:
 
     # ---- the loop's parts --------------------------------------------------------------
 
-    def _apply(self, message: _Add | _Abort | _ResetPrefixCache) -> None:
+    def _apply(self, message: _Add | _Abort | _CoreCall) -> None:
         if isinstance(message, _Abort):
             self._abort(message.request_id)
             return
-        if isinstance(message, _ResetPrefixCache):
+        if isinstance(message, _CoreCall):
             if not message.done.done():
-                message.done.set_result(self._core().reset_prefix_cache())
+                try:
+                    message.done.set_result(getattr(self._core(), message.method)(*message.args))
+                except Exception as exc:  # the caller's to handle: it awaits `done`
+                    message.done.set_exception(exc)
             return
         requests = self._track(message)
         if not requests:

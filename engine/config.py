@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.lora.request import LoRAConfig, parse_lora_modules
 from engine.models.arch import ModelArch
 from engine.models.hf_config import (
     eos_token_ids,
@@ -129,6 +130,23 @@ class EngineArgs:
         "KV cache events for prefix-aware routers, as vLLM's --kv-events-config: a JSON "
         'object such as {"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
         '"topic": "kv@POD@MODEL"}',
+    )
+    enable_lora: bool = _arg(
+        False,
+        "serve LoRA adapters (PEFT directories): those of --lora-modules, and those loaded at "
+        "run time with POST /v1/load_lora_adapter; a request names an adapter as its model",
+    )
+    lora_modules: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "LoRA adapters served from the start, as vLLM's --lora-modules: name=path, "
+            'or a JSON object {"name": ..., "path": ..., "base_model_name": ...}'
+        },
+    )
+    max_loras: int = _arg(1, "LoRA adapters one step runs at most (their weights' slots)")
+    max_lora_rank: int = _arg(16, "the highest LoRA rank served")
+    max_cpu_loras: int | None = _arg(
+        None, "LoRA adapters kept loaded in host memory (default: --max-loras)"
     )
 
 
@@ -258,6 +276,8 @@ class SchedulerConfig:
     max_model_len: int = 2048
     # Schedule and launch step N+1 before step N's output is applied (see EngineCore).
     async_scheduling: bool = False
+    # LoRA adapters running at once at most (--max-loras); 0 without LoRA.
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -295,6 +315,7 @@ class EngineConfig:
     cache: CacheConfig
     quant: QuantConfig = QuantConfig()
     speculative: SpeculativeConfig | None = None
+    lora: LoRAConfig | None = None
 
     def facts(self) -> list[tuple[str, str]]:
         return runtime_facts(self.device, self.quant)
@@ -308,6 +329,7 @@ class EngineConfig:
             f"{self.model.name}{task}: {facts}, {c.num_blocks} KV blocks of {c.block_size} tokens, "
             f"max_model_len {s.max_model_len}, step budget {s.max_num_batched_tokens} tokens"
             + ("" if self.speculative is None else f", speculative {self.speculative.describe()}")
+            + ("" if self.lora is None else f", LoRA: {self.lora.max_loras} at once")
             + (", async scheduling" if s.async_scheduling else "")
         )
 
@@ -387,7 +409,28 @@ def resolve_scheduler_config(
             and args.tensor_parallel_size == 1
             and args.speculative_config is None
         )
-    return SchedulerConfig(args.max_num_seqs, budget, model.max_model_len, overlap)
+    lora = resolve_lora_config(args)
+    max_loras = 0 if lora is None else lora.max_loras
+    return SchedulerConfig(args.max_num_seqs, budget, model.max_model_len, overlap, max_loras)
+
+
+def resolve_lora_config(args: EngineArgs) -> LoRAConfig | None:
+    """The LoRA limits with --enable-lora, else None; raises ValueError where LoRA cannot
+    run as asked."""
+    if not args.enable_lora:
+        if args.lora_modules:
+            raise ValueError("--lora-modules needs --enable-lora")
+        return None
+    if args.tensor_parallel_size > 1:
+        raise ValueError(
+            "--enable-lora does not run with --tensor-parallel-size > 1: the adapters' "
+            "weights are not sharded"
+        )
+    if args.task == "embed":
+        raise ValueError("--enable-lora is for generation; --task embed does not take adapters")
+    max_cpu = args.max_loras if args.max_cpu_loras is None else args.max_cpu_loras
+    modules = tuple(parse_lora_modules(args.lora_modules))
+    return LoRAConfig(args.max_loras, args.max_lora_rank, max_cpu, modules)
 
 
 def check_scheduling_options(args: EngineArgs) -> None:

@@ -27,6 +27,8 @@ from engine.errors import RequestValidationError
 from engine.introspection import CoreState, core_state
 from engine.kv_cache import KVCacheManager
 from engine.kv_events import KVEventsConfig
+from engine.lora.manager import LoRAManager
+from engine.lora.request import LoRAError, LoRARequest
 from engine.pooling import check_task
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler, SchedulerStats, StepResult
@@ -107,6 +109,7 @@ class EngineCore:
             cache_config,
             worker.quant_config,
             speculative,
+            worker.lora_config,
         )
         logger.info("engine: %s", config.describe())
         runner = worker.create_runner(cache_config, hooks.profile)
@@ -127,9 +130,13 @@ class EngineCore:
             tokenizer, arch.vocab_size, arch.eos_token_ids
         )
         scheduler = Scheduler(scheduler_config, kv_manager)
-        return cls(
+        core = cls(
             scheduler, runner, config, hooks, tokenizer, grammars, kv_events, worker.tp_group
         )
+        if config.lora is not None:
+            for lora in config.lora.module_requests():  # --lora-modules: refused up front
+                core.add_lora(lora)
+        return core
 
     def add_request(self, request: Request) -> None:
         """Queues one engine request (one choice: n == 1). Raises RequestValidationError for
@@ -137,6 +144,8 @@ class EngineCore:
         if request.sampling_params.n != 1:
             raise ValueError("EngineCore takes n=1 requests; fan out with SamplingParams.for_child")
         check_task(self.config.model.pooler, request.pooling_params)
+        if request.lora is not None:
+            self._lora_manager(request.lora.lora_name)
         constraint = request.sampling_params.structured_outputs
         if constraint is not None:
             if self.grammars is None:
@@ -145,6 +154,22 @@ class EngineCore:
                 )
             request.structured = self.grammars.request_grammar(constraint)
         self.scheduler.add_request(request)
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Reads and checks a LoRA adapter now, so that requests naming it can run; raises
+        LoRAError for one that cannot (or when LoRA is not enabled)."""
+        self._lora_manager(lora.lora_name).add(lora)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drops a LoRA adapter's weights; whether they were loaded. Requests already
+        queued with it still run (their adapter is read again from its path)."""
+        return self._lora_manager(str(lora_int_id)).remove(lora_int_id)
+
+    def _lora_manager(self, name: str) -> LoRAManager:
+        manager = getattr(self.runner, "lora", None)
+        if manager is None:
+            raise LoRAError(f"LoRA adapter {name!r}: this server runs without --enable-lora")
+        return manager
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
         """Ends the requests and frees their blocks; unknown or finished ids are ignored."""

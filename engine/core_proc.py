@@ -53,6 +53,7 @@ import zmq
 
 from engine.config import EngineArgs, EngineConfig, EngineHooks
 from engine.errors import RequestValidationError
+from engine.lora.request import LoRARequest
 from engine.pooling import PoolingParams
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -84,6 +85,7 @@ class CoreRequest(msgspec.Struct, array_like=True, frozen=True):
     cache_salt: str | None
     arrival_time: float  # time.monotonic(): one clock for every process on the host
     pooling_params: PoolingParams | None = None
+    lora: LoRARequest | None = None
 
     @classmethod
     def of(cls, request: Request) -> CoreRequest:
@@ -95,6 +97,7 @@ class CoreRequest(msgspec.Struct, array_like=True, frozen=True):
             request.cache_salt,
             request.arrival_time,
             request.pooling_params,
+            request.lora,
         )
 
     def to_request(self) -> Request:
@@ -106,6 +109,7 @@ class CoreRequest(msgspec.Struct, array_like=True, frozen=True):
             self.cache_salt,
             arrival_time=self.arrival_time,
             pooling_params=self.pooling_params,
+            lora=self.lora,
         )
 
 
@@ -288,6 +292,8 @@ class EngineCoreProc:
         try:
             if method == "reset_prefix_cache":
                 self._reply(client, call_id, True, self.core.reset_prefix_cache())
+            elif method in ("add_lora", "remove_lora"):
+                self._reply(client, call_id, True, getattr(self.core, method)(*args))
             elif method == "core_state":
                 self._reply(client, call_id, True, self.core.state())
             elif method == "watch":  # (min_interval, max_share), or None to stop

@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from engine.config import EngineArgs, EngineHooks
 from engine.core import EngineCore
+from engine.lora.request import LoRARequest
 from engine.output_processor import EMBEDDING_PARAMS, OutputProcessor
 from engine.outputs import RequestOutput
 from engine.pooling import PoolingParams
@@ -40,14 +41,25 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Runs every prompt to completion; outputs come back in input order."""
+        """Runs every prompt to completion; outputs come back in input order. With
+        `lora_request` (one for all prompts, or one per prompt, None for the base model),
+        the prompts run with those LoRA adapters (an engine made with enable_lora=True)."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras: list[LoRARequest | None] = [lora_request] * len(prompt_list)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompt_list):
+                raise ValueError(f"{len(loras)} lora requests for {len(prompt_list)} prompts")
+        for lora in {lora for lora in loras if lora is not None}:
+            self.core.add_lora(lora)
         self._compile_constraints(params_list)
         order = [
-            self._add(prompt, replace(params, output_kind=RequestOutputKind.FINAL_ONLY))
-            for prompt, params in zip(prompt_list, params_list, strict=True)
+            self._add(prompt, replace(params, output_kind=RequestOutputKind.FINAL_ONLY), lora=lora)
+            for prompt, params, lora in zip(prompt_list, params_list, loras, strict=True)
         ]
         return self._run(order, "Generating", use_tqdm)
 
@@ -64,7 +76,11 @@ class LLM:
         return self._run(order, "Embedding", use_tqdm)
 
     def _add(
-        self, prompt: Prompt, params: SamplingParams, pooling: PoolingParams | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        pooling: PoolingParams | None = None,
+        lora: LoRARequest | None = None,
     ) -> str:
         """Queues one prompt's engine requests; returns its request id."""
         request_id = str(self._next_id)
@@ -72,7 +88,7 @@ class LLM:
         ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
         text = prompt if isinstance(prompt, str) else None
         requests = self._processor.add_request(
-            request_id, ids, params, prompt=text, pooling_params=pooling
+            request_id, ids, params, prompt=text, pooling_params=pooling, lora=lora
         )
         for request in requests:
             self.core.add_request(request)

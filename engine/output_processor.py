@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.detokenizer import StoppableText
+from engine.lora.request import LoRARequest
 from engine.outputs import (
     CompletionOutput,
     FinishedRequestStats,
@@ -122,6 +123,7 @@ class OutputProcessor:
         labels: Mapping[str, str] | None = None,
         arrival_time: float | None = None,
         pooling_params: PoolingParams | None = None,
+        lora: LoRARequest | None = None,
     ) -> list[Request]:
         """Starts tracking a caller's request; returns its n engine requests to schedule.
 
@@ -149,6 +151,7 @@ class OutputProcessor:
                     cache_salt,
                     arrival_time=arrival,
                     pooling_params=pooling_params,
+                    lora=lora,
                 )
             )
         self._prompts[request_id] = parent

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from engine.errors import RequestValidationError
 from engine.kv_cache.block import BlockHash
+from engine.lora.request import LoRARequest
 from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.structured_output.request import StructuredOutputRequest
@@ -81,6 +82,8 @@ class Request:
     # Set by the engine core when the request has an output constraint.
     structured: StructuredOutputRequest | None = None
     pooling_params: PoolingParams | None = None
+    # The LoRA adapter the request runs with; None: the base model.
+    lora: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -20,6 +20,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine import AsyncLLM
+from engine.lora import LoRARequest
 from server import reasoning, responses, tool_parsers
 from server.admission import Admission, QueueLimits
 from server.body import parse_body
@@ -29,6 +30,7 @@ from server.dashboard import add_dashboard_routes
 from server.disconnect import CLIENT_CLOSED_REQUEST, ClientDisconnected, cancel_on_disconnect
 from server.embeddings import create_embedding
 from server.errors import OpenAIError, error_body
+from server.lora import LoRARegistry
 from server.metrics import ServerMetrics
 from server.middleware import GatewayMiddleware
 from server.openapi import (
@@ -51,7 +53,9 @@ from server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from server.render import render_chat_completion, render_completion
 from server.serving import ServingContext, admit, sse_events
@@ -121,6 +125,8 @@ def create_app(
         metrics.set_cache_config(cache.block_size, cache.num_blocks, cache.enable_prefix_caching)
         if loaded.config.speculative is not None:
             metrics.set_speculative(loaded.config.speculative.num_speculative_tokens)
+        if loaded.config.lora is not None and metrics.engine_stats:
+            metrics.set_lora(loaded.config.lora.max_loras)
         limits = QueueLimits.resolve(
             settings.max_num_queued_reqs,
             settings.max_num_queued_tokens,
@@ -137,11 +143,19 @@ def create_app(
         gc.freeze()
         loaded.start(metrics.record)
         template = settings.chat_template or getattr(loaded.tokenizer, "chat_template", None)
+        loras = LoRARegistry(
+            loaded,
+            model_name,
+            runtime_updates=frontend_index is None,
+            why_not="this server runs several API server processes (--api-server-count), "
+            "and only one would see it",
+        )
         state.serving = ServingContext(
             loaded,
             model_name,
             metrics,
             admission,
+            loras,
             chat_template=settings.chat_template,
             tool_format=tool_parsers.resolve(settings.tool_call_parser, template, loaded.tokenizer),
             tools_refusal=tool_parsers.refusal(settings.tool_call_parser, template),
@@ -233,11 +247,9 @@ def _add_routes(app: FastAPI, state: AppState) -> None:
             raise OpenAIError(503, f"the server is not ready ({state.phase.value})")
         return state.serving
 
-    def check_model(ctx: ServingContext, model: str | None) -> None:
-        if model is not None and model != ctx.model_name:
-            raise OpenAIError(
-                404, f"The model `{model}` does not exist.", "model", code="model_not_found"
-            )
+    def check_model(ctx: ServingContext, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` names (None: the base model); 404 for an unknown name."""
+        return ctx.loras.resolve(model)
 
     responses.add_routes(app, state.responses, serving, check_model)
 
@@ -245,9 +257,9 @@ def _add_routes(app: FastAPI, state: AppState) -> None:
     async def completions(request: Request) -> Any:
         ctx = serving()
         body = await parse(request, CompletionRequest)
-        check_model(ctx, body.model)
+        lora = check_model(ctx, body.model)
         ctx.require_task("generate")
-        caller = admit(request, ctx, len(prompt_batch(body.prompt)) * (body.n or 1))
+        caller = admit(request, ctx, len(prompt_batch(body.prompt)) * (body.n or 1), lora)
         return await respond(request, create_completion(ctx, body, caller))
 
     @app.post(
@@ -256,9 +268,9 @@ def _add_routes(app: FastAPI, state: AppState) -> None:
     async def chat_completions(request: Request) -> Any:
         ctx = serving()
         body = await parse(request, ChatCompletionRequest)
-        check_model(ctx, body.model)
+        lora = check_model(ctx, body.model)
         ctx.require_task("generate")
-        caller = admit(request, ctx, body.n or 1)
+        caller = admit(request, ctx, body.n or 1, lora)
         return await respond(request, create_chat_completion(ctx, body, caller))
 
     @app.post("/v1/embeddings", **route_docs(EmbeddingRequest, EmbeddingResponse))
@@ -294,9 +306,23 @@ def _add_routes(app: FastAPI, state: AppState) -> None:
             "created": int(state.started),
             "owned_by": "pagedserve",
             "root": ctx.model_name,
+            "parent": None,
             "max_model_len": ctx.max_model_len,
         }
-        return {"object": "list", "data": [card]}
+        adapters = ctx.loras.model_cards(int(state.started), ctx.max_model_len)
+        return {"object": "list", "data": [card, *adapters]}
+
+    @app.post("/v1/load_lora_adapter", **route_docs(LoadLoRAAdapterRequest, None))
+    async def load_lora_adapter(request: Request) -> PlainTextResponse:
+        ctx = serving()
+        body = await parse(request, LoadLoRAAdapterRequest)
+        return PlainTextResponse(await ctx.loras.load(body))
+
+    @app.post("/v1/unload_lora_adapter", **route_docs(UnloadLoRAAdapterRequest, None))
+    async def unload_lora_adapter(request: Request) -> PlainTextResponse:
+        ctx = serving()
+        body = await parse(request, UnloadLoRAAdapterRequest)
+        return PlainTextResponse(await ctx.loras.unload(body))
 
     @app.post("/tokenize", **route_docs(TokenizeRequest, TokenizeResponse))
     async def tokenize(request: Request) -> dict[str, Any]:

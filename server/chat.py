@@ -186,7 +186,7 @@ async def create_chat_completion(
         _final_choice(ctx, body, c, ChoiceReader(ctx.reasoning, phase, plan))
         for c in runs[0].choices
     ]
-    out = response_body(ctx, response_id, "chat.completion", choices, runs)
+    out = response_body(ctx, response_id, "chat.completion", choices, runs, caller)
     await _add_reasoning_tokens(ctx, out["usage"], runs, phase)
     return out
 
@@ -260,7 +260,7 @@ async def _stream(
             "id": response_id,
             "object": "chat.completion.chunk",
             "created": created,
-            "model": ctx.model_name,
+            "model": caller.model_name(ctx),
             "choices": [choice | extra],
         }
         if include_usage:

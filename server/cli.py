@@ -93,10 +93,16 @@ def _base_type(annotation: Any) -> Any:
     return annotation
 
 
+def _default(f: dataclasses.Field[Any]) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
 def engine_options() -> list[Option]:
     hints = typing.get_type_hints(EngineArgs)
     return [
-        Option(f.name, hints[f.name], f.default, f.metadata["help"], dict(f.metadata))
+        Option(f.name, hints[f.name], _default(f), f.metadata["help"], dict(f.metadata))
         for f in dataclasses.fields(EngineArgs)
     ]
 

@@ -119,7 +119,7 @@ async def create_completion(
         return _stream(ctx, body, runs, caller, response_id)
     await run_to_completion(ctx, runs, caller, body.cache_salt, body.user)
     choices = [_final_choice(ctx, body, run, c) for run in runs for c in run.choices]
-    return response_body(ctx, response_id, "text_completion", choices, runs)
+    return response_body(ctx, response_id, "text_completion", choices, runs, caller)
 
 
 def _final_choice(
@@ -154,7 +154,7 @@ async def _stream(
             "id": response_id,
             "object": "text_completion",
             "created": created,
-            "model": ctx.model_name,
+            "model": caller.model_name(ctx),
             "choices": choice_list,
         }
         if include_usage:

@@ -133,6 +133,7 @@ class ServerMetrics:
             "Draft tokens accepted, by their position among a step's drafts (0: the first).",
             "position",
         )
+        self.lora_info: Gauge | None = None  # set_lora
         self.request_prompt_tokens = hist(
             "vllm:request_prompt_tokens", "Prompt length per request.", TOKEN_BUCKETS
         )
@@ -187,6 +188,33 @@ class ServerMetrics:
         labels = (self.model_name, str(block_size), str(num_blocks), str(prefix_caching).lower())
         self.cache_config.labels(*labels).set(1)
 
+    def set_lora(self, max_loras: int) -> None:
+        """With --enable-lora: vllm:lora_requests_info, as GIE's model-server protocol reads
+        it (its LoRA affinity scorer): labels max_lora and the running and waiting adapters
+        (comma-separated names), value the time of the last update; only the latest label
+        set is kept."""
+        self.lora_info = Gauge(
+            "vllm:lora_requests_info",
+            "LoRA adapters of the running and waiting requests (value: when last updated).",
+            ["model_name", "max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            registry=self.registry,
+            multiprocess_mode="livemax",
+        )
+        self._lora_labels = (self.model_name, str(max_loras), "", "")
+        self.lora_info.labels(*self._lora_labels).set_to_current_time()
+
+    def _record_loras(self, stats: SchedulerStats) -> None:
+        labels = (
+            self.model_name,
+            self._lora_labels[1],
+            ",".join(stats.waiting_loras),
+            ",".join(stats.running_loras),
+        )
+        if labels != self._lora_labels:
+            self.lora_info.remove(*self._lora_labels)
+            self._lora_labels = labels
+        self.lora_info.labels(*labels).set_to_current_time()
+
     def record(self, stats: SchedulerStats, iteration: IterationStats) -> None:
         """The engine's stats listener: runs on the event loop after every step."""
         running, waiting, kv_usage, queries, hits, preemptions, *rest = self._step_series
@@ -204,6 +232,8 @@ class ServerMetrics:
                 iteration_tokens.observe(stats.num_scheduled_tokens)
             if stats.spec_num_drafts:
                 self._record_drafts(stats)
+            if self.lora_info is not None:
+                self._record_loras(stats)
         if iteration.num_generation_tokens:
             generation_tokens.inc(iteration.num_generation_tokens)
         for value in iteration.time_to_first_tokens:

@@ -22,8 +22,10 @@ from server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    LoadLoRAAdapterRequest,
     ResponsesRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 
 REF = "#/components/schemas/{model}"
@@ -34,6 +36,8 @@ REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     DetokenizeRequest,
     EmbeddingRequest,
     ResponsesRequest,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
 )
 
 
@@ -200,6 +204,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str
     root: str
+    # The base model of a LoRA adapter; None for the base model itself.
+    parent: str | None = None
     max_model_len: int
 
 
@@ -232,11 +238,13 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 
 
 def route_docs(
-    body: type[BaseModel] | None, response: type[BaseModel], stream: bool = False
+    body: type[BaseModel] | None, response: type[BaseModel] | None, stream: bool = False
 ) -> dict[str, Any]:
     """Keyword arguments for a route decorator: its body (read raw by the handler), its
-    JSON response (or SSE stream) and its errors."""
+    JSON response (or SSE stream; plain text when `response` is None) and its errors."""
     ok: dict[str, Any] = {"model": response}
+    if response is None:
+        ok = {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "OK"}
     if stream:
         ok["content"] = {"text/event-stream": {"schema": {"type": "string"}}}
         ok["description"] = "JSON, or server-sent events when `stream` is true"

@@ -240,3 +240,19 @@ class ResponsesRequest(_Strict):
         if isinstance(self.input, list) and not self.input and not self.previous_response_id:
             raise OpenAIError(400, "input is empty", "input")
         return self
+
+
+class LoadLoRAAdapterRequest(_Strict):
+    """vLLM's POST /v1/load_lora_adapter (server/lora.py)."""
+
+    lora_name: str
+    lora_path: str
+    # Replace an adapter already served under this name (with a new id).
+    load_inplace: bool = False
+
+
+class UnloadLoRAAdapterRequest(_Strict):
+    """vLLM's POST /v1/unload_lora_adapter; the name alone says which."""
+
+    lora_name: str
+    lora_int_id: int | None = None

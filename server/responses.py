@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from sse_starlette.sse import EventSourceResponse
 
+from engine.lora import LoRARequest
 from server.body import from_validation_error, parse_body
 from server.chat import create_chat_completion
 from server.disconnect import cancel_on_disconnect
@@ -291,7 +292,7 @@ class Shape:
         self.id = response_id
         self.created_at = int(time.time())
         self.body = body
-        self.model = ctx.model_name
+        self.model = body.model or ctx.model_name  # an adapter answers under its own name
 
     def response(
         self,
@@ -781,7 +782,7 @@ def add_routes(
     app: FastAPI,
     responses: Responses,
     serving: Callable[[], ServingContext],
-    check_model: Callable[[ServingContext, str | None], None],
+    check_model: Callable[[ServingContext, str | None], LoRARequest | None],
 ) -> None:
     """POST /v1/responses; GET and DELETE /v1/responses/{id}; its input items; /cancel."""
 
@@ -798,13 +799,14 @@ def add_routes(
     async def create(request: Request) -> Any:
         ctx = serving()
         body = parse_body(await request.body(), ResponsesRequest)
-        check_model(ctx, body.model)
+        lora = check_model(ctx, body.model)
         ctx.require_task("generate")
         if body.background:
             # The work outlives this exchange: its queue room is released by the work.
-            caller = Caller(request.state.request_id, ctx.admission.admit(1), tenant(request))
+            ticket = ctx.admission.admit(1)
+            caller = Caller(request.state.request_id, ticket, tenant(request), lora)
         else:
-            caller = admit(request, ctx, 1)
+            caller = admit(request, ctx, 1, lora)
         work = responses.create(ctx, body, caller)
         result = await cancel_on_disconnect(request.receive, work)
         if isinstance(result, dict):

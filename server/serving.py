@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.requests import Request
 
@@ -29,12 +29,16 @@ from engine import (
     RequestValidationError,
     SamplingParams,
 )
+from engine.lora import LoRARequest
 from server.admission import Admission, Ticket
 from server.errors import OpenAIError, error_body
 from server.metrics import ServerMetrics
 from server.reasoning import ReasoningFormat
 from server.tenants import tenant_cache_salt
 from server.tool_parsers import ToolFormat
+
+if TYPE_CHECKING:
+    from server.lora import LoRARegistry
 
 T = TypeVar("T")
 # Text longer than this is tokenized (or a chat template rendered) off the event loop, so
@@ -51,6 +55,7 @@ class ServingContext:
     model_name: str
     metrics: ServerMetrics
     admission: Admission
+    loras: LoRARegistry
     # --chat-template's text (None: the tokenizer's).
     chat_template: str | None = None
     # --tool-call-parser's format, resolved; without one, why tools are refused.
@@ -116,18 +121,26 @@ class Caller:
     request_id: str
     ticket: Ticket
     tenant: str | None = None
+    # The LoRA adapter the request named as its model; None: the base model.
+    lora: LoRARequest | None = None
+
+    def model_name(self, ctx: ServingContext) -> str:
+        """The model responses name: the adapter's name, or the served model's."""
+        return ctx.model_name if self.lora is None else self.lora.lora_name
 
     def reserve_tokens(self, runs: list[PromptRun], param: str) -> None:
         """Admission's second check, once the prompts are tokens: 400 or 503."""
         self.ticket.reserve_tokens(sum(len(r.prompt_ids) * r.params.n for r in runs), param)
 
 
-def admit(request: Request, ctx: ServingContext, num_choices: int) -> Caller:
+def admit(
+    request: Request, ctx: ServingContext, num_choices: int, lora: LoRARequest | None = None
+) -> Caller:
     """Reserves queue room for the request's choices (503 or 400 when there is none) until
     the engine has them, or the exchange ends."""
     ticket = ctx.admission.admit(num_choices)
     request.state.cleanup.callback(ticket.release)
-    return Caller(request.state.request_id, ticket, request.state.tenant)
+    return Caller(request.state.request_id, ticket, request.state.tenant, lora)
 
 
 @dataclass
@@ -195,7 +208,12 @@ async def stream_outputs(
     def submit(i: int, request_id: str, salt: str | None, labels: dict[str, str]) -> RequestStream:
         run = runs[i]
         return ctx.engine.generate(
-            run.prompt_ids, run.params, request_id, cache_salt=salt, labels=labels
+            run.prompt_ids,
+            run.params,
+            request_id,
+            cache_salt=salt,
+            labels=labels,
+            lora_request=caller.lora,
         )
 
     outputs = engine_outputs(len(runs), submit, caller, cache_salt, user)
@@ -298,12 +316,13 @@ def response_body(
     obj: str,
     choices: list[dict[str, Any]],
     runs: list[PromptRun],
+    caller: Caller,
 ) -> dict[str, Any]:
     return {
         "id": response_id,
         "object": obj,
         "created": now(),
-        "model": ctx.model_name,
+        "model": caller.model_name(ctx),
         "choices": choices,
         "usage": usage(runs),
     }

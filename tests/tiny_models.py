@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -224,3 +225,55 @@ def make_tiny_embedding_model(path: Path, **config: object) -> Path:
     hf_config = json.loads((target / "config.json").read_text())
     (target / "config.json").write_text(json.dumps(hf_config | config, indent=2))
     return target
+
+
+def make_lora_adapter(
+    base: Path,
+    path: Path,
+    seed: int,
+    rank: int,
+    targets: list[str],
+    alpha: float = 16.0,
+    **config: object,
+) -> Path:
+    """Saves a PEFT LoRA adapter for the model at `base` to `path`, with random A and B
+    (PEFT's init_lora_weights=False: neither is zero, so the adapter changes the output)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    torch.manual_seed(seed)
+    lora = LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False, **config
+    )
+    get_peft_model(model, lora).save_pretrained(path)
+    return path
+
+
+def peft_merged_greedy(
+    base: Path, adapter: Path, prompts: list[list[int]], max_tokens: int
+) -> list[list[int]]:
+    """Reference: PEFT's merged model (the adapter folded into the weights), transformers'
+    greedy generate, one prompt at a time."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    return greedy_tokens(merged, prompts, max_tokens)
+
+
+def greedy_tokens(model: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """transformers' greedy generate of `model`, one unpadded prompt at a time, end tokens
+    ignored: the new tokens of each."""
+    outputs = []
+    for prompt in prompts:
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        outputs.append(out[0, len(prompt) :].tolist())
+    return outputs

@@ -13,12 +13,15 @@ class BlockHash:
     The digest is the dictionary key; the token ids are compared on a hit, so even a
     digest collision can never serve the wrong KV. `extra_keys` are the keys hashed in
     beside the tokens (a request's salt, on a chain's first block), kept so that KV events
-    can tell consumers the part of it they can compute (engine/kv_cache/salt.py).
+    can tell consumers the part of it they can compute (engine/kv_cache/salt.py). `lora`
+    is the (id, name) of the LoRA adapter whose KV the block holds, hashed into every
+    block of its requests' chains.
     """
 
     digest: bytes
     token_ids: tuple[int, ...]
     extra_keys: tuple[str, ...] = ()
+    lora: tuple[int, str] | None = None
 
 
 class KVCacheBlock:

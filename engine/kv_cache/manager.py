@@ -43,8 +43,13 @@ class HashPrefixCache:
 
     def update_hashes(self, request: Request) -> None:
         """Mutates the request: extends `request.block_hashes` to all of its full blocks."""
+        lora = request.lora
         extend_block_hashes(
-            request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt
+            request.block_hashes,
+            request.all_token_ids,
+            self.block_size,
+            request.cache_salt,
+            None if lora is None else (lora.lora_int_id, lora.lora_name),
         )
 
     def find_hits(self, request: Request) -> list[KVCacheBlock]:

@@ -111,7 +111,10 @@ class KVEventRecorder:
         else:
             parent_hash = None if parent is None else external_hash(parent)
             tokens = list(block_hash.token_ids)
-            event = BlockStored([this], parent_hash, tokens, self.block_size, None, MEDIUM, None)
+            lora_id, lora_name = block_hash.lora or (None, None)
+            event = BlockStored(
+                [this], parent_hash, tokens, self.block_size, lora_id, MEDIUM, lora_name
+            )
             event.extra_keys = [extra]
             self._events.append(event)
         self._last_stored = this

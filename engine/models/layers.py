@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,9 @@ from engine.models.quantized import (
 )
 from engine.ops import native_ops
 from engine.ops.loader import native_kernels
+
+if TYPE_CHECKING:
+    from engine.lora.layers import LoRASlots
 
 # oneDNN lays packed weights out for a batch size; any other batch size works as well.
 _PACK_BATCH_HINT = 64
@@ -106,6 +109,8 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None
         self.tiled: torch.Tensor | None = None  # tile_bf16_weight's layout
         self.quantized: TiledWeight | None = None
+        # LoRA adapters' slots (engine/lora), added to the step's adapted rows.
+        self.lora: LoRASlots | None = None
 
     def quantize(self, weight: QuantizedWeight) -> None:
         """Runs on `weight` from now on; the float weight is dropped."""
@@ -142,6 +147,12 @@ class Linear(nn.Module):
         self.register_parameter("weight", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._base_forward(x)
+        if self.lora is not None and self.lora.step.active:
+            self.lora.apply(y, x)
+        return y
+
+    def _base_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None and (
             not self.has_dense or x.numel() <= DENSE_COPY_ROWS * self.in_features
         ):

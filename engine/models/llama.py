@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionBackend
+from engine.lora.layers import LoRAStep
 from engine.models.arch import ModelArch
 from engine.models.fused_layers import (
     FusedLayers,
@@ -133,6 +134,9 @@ class DecoderModel(nn.Module):
         # with dense copies of quantized weights, a second set for steps of many tokens.
         self.fused_layers: FusedLayers | None = None
         self.fused_dense_layers: FusedLayers | None = None
+        # Multi-LoRA (engine/lora): the step's adapter segments; a step with any runs the
+        # Python layers, whose Linear layers apply them.
+        self.lora_step: LoRAStep | None = None
 
     def quantize_embedding(self, weight: QuantizedWeight) -> None:
         """Looks tokens up in `weight` from now on (the float table is dropped)."""
@@ -194,7 +198,8 @@ class DecoderModel(nn.Module):
         fused = self.fused_layers
         if self.fused_dense_layers is not None and x.shape[0] > DENSE_COPY_ROWS:
             fused = self.fused_dense_layers
-        if fused and hasattr(attn, "stack_args"):
+        adapted = self.lora_step is not None and self.lora_step.active
+        if fused and hasattr(attn, "stack_args") and not adapted:
             x, residual = run_fused_layers(fused, x, cos, sin, attn)
         else:
             for layer in self.layers:

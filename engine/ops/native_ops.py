@@ -126,3 +126,36 @@ def quant_dequantize(
     if weight[0].device.type != "cpu" or not native_kernels().available:
         return None
     return torch.ops.pagedserve.quant_dequantize(*weight, rows, dtype)
+
+
+def lora_apply_reference(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    bt: torch.Tensor,
+    bounds: list[int],
+    slots: list[int],
+) -> None:
+    """y[s:e] += (x[s:e] @ a[slot]^T) @ bt[slot] for each segment (s, e) = bounds[2i],
+    bounds[2i + 1] of slot slots[i] (engine/lora/layers.py); on any device."""
+    for i, slot in enumerate(slots):
+        start, end = bounds[2 * i], bounds[2 * i + 1]
+        y[start:end] += (x[start:end] @ a[slot].t()) @ bt[slot]
+
+
+def lora_apply_(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    bt: torch.Tensor,
+    ranks: torch.Tensor,
+    blocks: int,
+    bounds: list[int],
+    slots: list[int],
+) -> None:
+    """lora_apply_reference, in place; the native kernel skips each slot's rows past its
+    adapter's rank (`ranks`, per slot, in each of a's `blocks` row blocks), which are zero."""
+    if _native(y) and y.stride(-1) == 1 and x.stride(-1) == 1:
+        torch.ops.pagedserve.lora_apply(y, x, a, bt, ranks, blocks, bounds, slots)
+    else:
+        lora_apply_reference(y, x, a, bt, bounds, slots)

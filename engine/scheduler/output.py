@@ -108,6 +108,10 @@ class SchedulerStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    # LoRA adapters of the running and the waiting requests, by name (no repeats), as
+    # vllm:lora_requests_info reports them.
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

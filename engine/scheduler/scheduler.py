@@ -118,8 +118,10 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        # Requests whose grammar is still compiling step aside; they keep their place.
+        # Requests whose grammar is still compiling step aside; they keep their place. So do
+        # those whose LoRA adapter would exceed --max-loras running at once.
         skipped: deque[Request] = deque()
+        loras, max_loras = self._running_loras(), self.config.max_loras
         while (
             not preempted
             and self.waiting
@@ -132,15 +134,24 @@ class Scheduler:
                 if not head.is_finished:
                     skipped.append(head)
                 continue
+            lora = head.lora
+            if lora is not None and lora.lora_int_id not in loras and len(loras) >= max_loras:
+                skipped.append(self.waiting.popleft())
+                continue
             entry = self._admit(self.waiting[0], budget)
             if entry is None:
                 break
+            if lora is not None:
+                loras.add(lora.lora_int_id)
             scheduled.append(entry)
             budget -= entry.num_new_tokens
         self.waiting.extendleft(reversed(skipped))
 
         finished, self._finished_ids = self._finished_ids, set()
         return SchedulerOutput(scheduled, finished)
+
+    def _running_loras(self) -> set[int]:
+        return {r.lora.lora_int_id for r in self.running if r.lora is not None}
 
     @staticmethod
     def _scheduled(
@@ -378,9 +389,16 @@ class Scheduler:
             spec_num_draft_tokens=self._spec_counts[1],
             spec_num_accepted_tokens=self._spec_counts[2],
             spec_accepted_per_pos=tuple(self._spec_accepted_per_pos),
+            running_loras=_lora_names(self.running),
+            waiting_loras=_lora_names(self.waiting),
         )
         self._spec_counts = [0, 0, 0]
         self._spec_accepted_per_pos = []
         self._last_queries, self._last_hits = counters.queries, counters.hits
         self._num_preemptions = 0
         return stats
+
+
+def _lora_names(requests: Iterable[Request]) -> tuple[str, ...]:
+    """The adapters of `requests`, by name, each once, in the order first seen."""
+    return tuple(dict.fromkeys(r.lora.lora_name for r in requests if r.lora is not None))

@@ -28,6 +28,7 @@ from engine.attention.metadata import (
     upload,
 )
 from engine.config import CacheConfig, DeviceConfig
+from engine.lora.manager import LoRAManager
 from engine.models.arch import ModelArch
 from engine.models.llama import DecoderModel
 from engine.outputs import Logprobs
@@ -141,6 +142,7 @@ class ModelRunner:
         profiler: StepProfiler | None = None,
         cuda_graphs: CudaGraphConfig | None = None,
         pooler: PoolerConfig | None = None,
+        lora: LoRAManager | None = None,
     ) -> None:
         """With `cuda_graphs`, the cache gets one scratch block beyond cache_config.num_blocks
         (the KV cache manager never sees it) and the decoder is captured here. With `pooler`
@@ -148,6 +150,7 @@ class ModelRunner:
         instead of sampled."""
         self.model = model
         self.arch = arch
+        self.lora = lora
         self.block_size = cache_config.block_size
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -222,8 +225,15 @@ class ModelRunner:
         return nullcontext() if self.threads is None else self.threads.step()
 
     def _forward(self, batch: StepBatch) -> tuple[torch.Tensor, StepMetadata]:
-        """Mutates the KV cache: runs the decoder on the step, through a graph if one fits."""
-        graph_size = None if self.graphs is None else self.graphs.graph_size(batch.num_new)
+        """Mutates the KV cache: runs the decoder on the step, through a graph if one fits
+        (not a step with LoRA adapters, whose segments the graphs do not know)."""
+        adapted = False
+        if self.lora is not None:
+            self.lora.prepare([state.request.lora for state in batch.requests], batch.num_new)
+            adapted = self.lora.step.active
+        graph_size = None
+        if self.graphs is not None and not adapted:
+            graph_size = self.graphs.graph_size(batch.num_new)
         with self.profiler.section("metadata"):
             computed, new, tables = batch.num_computed, batch.num_new, batch.block_ids
             input_ids = batch.input_ids

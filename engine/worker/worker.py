@@ -19,11 +19,13 @@ from engine.config import (
     ModelConfig,
     QuantConfig,
     SchedulerConfig,
+    resolve_lora_config,
     resolve_model_config,
     resolve_quant_config,
     runtime_facts,
 )
 from engine.cpu_share import cpu_limit, own_cgroup_cpu_dir
+from engine.lora.manager import LoRAManager
 from engine.models.arch import ModelArch
 from engine.models.layers import TILED_BF16_ISAS
 from engine.models.llama import DecoderModel
@@ -204,6 +206,7 @@ class Worker:
         self.device = torch.device(self.device_config.device)
         self.dtype = DTYPES[self.device_config.dtype]
         self.quant_config = resolve_quant_config(args, model, self.device.type)
+        self.lora_config = resolve_lora_config(args)
         if model.gguf is not None and self.quant_config.method == "none":
             logger.info(
                 "serving %s's weights in %s (--quantization none)", model.gguf.name, self.dtype
@@ -296,7 +299,10 @@ class Worker:
                 *runner_args, StepProfiler(profile, self.device), group=self.tp_group
             )
         profiler = StepProfiler(profile, self.device)
-        return ModelRunner(*runner_args, profiler, graphs, self.model_config.pooler)
+        lora = None
+        if self.lora_config is not None:
+            lora = LoRAManager(self.model, self.arch, self.lora_config)
+        return ModelRunner(*runner_args, profiler, graphs, self.model_config.pooler, lora)
 
 
 def kv_blocks_for_budget(

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from engine import LLM, EngineHooks, SamplingParams
-from tests.tiny_models import make_tiny_model
+from tests.tiny_models import greedy_tokens, make_tiny_model
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -27,17 +27,7 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> lis
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    outputs = []
-    for prompt in prompts:
-        out = model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=max_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-        outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
+    return greedy_tokens(model, prompts, max_tokens)
 
 
 def engine_tokens(

@@ -44,7 +44,7 @@ bool has_avx512_bf16() { return has_avx512() && __builtin_cpu_supports("avx512bf
 #define PAGEDSERVE_TABLE(ns, T)                                                      \
   KernelsFor<T> {                                                                    \
     &ns::attention_item<T>, &ns::rms_norm_rows<T>, &ns::rope_rows<T>,                \
-        &ns::silu_and_mul_rows<T>                                                    \
+        &ns::silu_and_mul_rows<T>, &ns::lora_rows<T>                                 \
   }
 #define PAGEDSERVE_KERNELS(name, ns)                                                  \
   Kernels {                                                                           \

@@ -250,6 +250,24 @@ struct Bf16Weight {
   }
 };
 
+// Rows of y (T, N) += (x (T, K) A_slot^T) Bt_slot, each row with its own slot: the LoRA
+// adapters of a step (engine/lora/layers.py has the layout). A slot's A (R, K) and Bt (R, N)
+// hold `blocks` blocks of R / blocks rows, of which the first ranks[slot] are the adapter's
+// (the rest are zero and skipped).
+template <typename T>
+struct LoRARows {
+  T* y;
+  int64_t y_stride;
+  const T* x;
+  int64_t x_stride;
+  const T* a;   // (slots, R, K), contiguous
+  const T* bt;  // (slots, R, N), contiguous
+  int64_t K, N, R, blocks;
+  const int64_t* ranks;  // per slot
+  const int64_t* rows;   // the rows of y and x to adapt ...
+  const int64_t* slots;  // ... and each one's slot
+};
+
 // One instruction set's kernels for element type T. The row kernels cover rows
 // begin..end, so the caller's thread pool splits the work.
 template <typename T>
@@ -258,6 +276,8 @@ struct KernelsFor {
   void (*rms_norm_rows)(const RmsNormRows<T>&, int64_t begin, int64_t end);
   void (*rope_rows)(const RopeRows<T>&, int64_t begin, int64_t end);
   void (*silu_and_mul_rows)(const SiluAndMulRows<T>&, int64_t begin, int64_t end);
+  // LoRARows entries begin..end.
+  void (*lora_rows)(const LoRARows<T>&, int64_t begin, int64_t end);
 };
 
 struct Kernels {
@@ -322,6 +342,8 @@ inline const Kernels& kernels_for(const std::optional<std::string>& isa) {
   void rope_rows(const RopeRows<T>& a, int64_t begin, int64_t end);                      \
   template <typename T>                                                                   \
   void silu_and_mul_rows(const SiluAndMulRows<T>& a, int64_t begin, int64_t end);        \
+  template <typename T>                                                                   \
+  void lora_rows(const LoRARows<T>& a, int64_t begin, int64_t end);                      \
   void quant_tiles(const QuantWeight& w, const QuantRows& rows, QuantOut out,            \
                    int64_t begin, int64_t end);                                           \
   void quant_rows_int16(const float* x, int64_t M, int64_t K, int16_t* xq, float* scale); \

@@ -1,0 +1,116 @@
+"""Which adapters are loaded and where: the engine side of multi-LoRA serving.
+
+Adapters are read (adapter.py) into a host cache of --max-cpu-loras, least recently used
+out first, and copied into one of --max-loras device slots when a step needs them; a slot
+whose adapter the step does not use is reused, least recently used first. The scheduler
+never runs more adapters at once than there are slots (Scheduler's lora limit), so a
+step always finds room. `add` is what load_lora_adapter and --lora-modules call: it reads
+and checks the adapter now, so a bad one is refused up front; a request's adapter that
+fell out of the host cache is read again from its path.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from engine.lora.adapter import LoRAAdapter, layer_slices, load_adapter
+from engine.lora.layers import LoRASlots, LoRAStep
+from engine.lora.request import LoRAConfig, LoRARequest
+from engine.models.arch import ModelArch
+from engine.models.layers import MLP, Linear
+from engine.models.llama import DecoderLayer, DecoderModel
+
+
+class LoRAManager:
+    def __init__(self, model: DecoderModel, arch: ModelArch, config: LoRAConfig) -> None:
+        if arch.rotary_dim is not None:
+            raise ValueError(
+                "--enable-lora: this model's partial rotary embeddings reorder its q/k weights "
+                "at load, which adapters are not reordered for (not supported)"
+            )
+        self.arch = arch
+        self.config = config
+        self.step = LoRAStep()
+        param = next(model.parameters())
+        self.layers: dict[tuple[int, str], LoRASlots] = {}
+        slices = layer_slices(arch)
+        for index, layer in enumerate(model.layers):
+            assert isinstance(layer, DecoderLayer)
+            attn, mlp = layer.self_attn, layer.mlp
+            targets = {"qkv_proj": attn.qkv_proj, "o_proj": attn.o_proj}
+            if isinstance(mlp, MLP):  # not a mixture of experts' layer
+                targets |= {"gate_up_proj": mlp.gate_up_proj, "down_proj": mlp.down_proj}
+            for name, linear in targets.items():
+                assert isinstance(linear, Linear)
+                in_features, sizes = slices[name]
+                slots = LoRASlots(
+                    in_features,
+                    sizes,
+                    config.max_loras,
+                    config.max_lora_rank,
+                    self.step,
+                    param.dtype,
+                    param.device,
+                )
+                linear.lora = slots
+                self.layers[(index, name)] = slots
+        model.lora_step = self.step
+        self._cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()  # by lora_int_id
+        self._slots: list[int | None] = [None] * config.max_loras  # lora_int_id per slot
+        self._slot_use: list[int] = [0] * config.max_loras
+        self._uses = 0
+
+    def add(self, lora: LoRARequest) -> LoRAAdapter:
+        """Reads and checks the adapter into the host cache (LoRAError if it cannot serve);
+        one already there is kept as it is."""
+        adapter = self._cpu.get(lora.lora_int_id)
+        if adapter is not None and adapter.request == lora:
+            self._cpu.move_to_end(lora.lora_int_id)
+            return adapter
+        adapter = load_adapter(lora, self.arch, self.config.max_lora_rank)
+        self._cpu[lora.lora_int_id] = adapter
+        self._cpu.move_to_end(lora.lora_int_id)
+        # A new adapter under a reused id: the slot's weights are the old one's.
+        self._slots = [None if s == lora.lora_int_id else s for s in self._slots]
+        while len(self._cpu) > self.config.max_cpu_loras:
+            self._cpu.popitem(last=False)
+        return adapter
+
+    def remove(self, lora_int_id: int) -> bool:
+        """Drops the adapter from the host cache and its slot; whether it was there."""
+        self._slots = [None if s == lora_int_id else s for s in self._slots]
+        return self._cpu.pop(lora_int_id, None) is not None
+
+    def resident(self) -> list[int]:
+        """The ids in the host cache, least recently used first."""
+        return list(self._cpu)
+
+    def prepare(self, loras: list[LoRARequest | None], num_tokens: list[int]) -> None:
+        """Sets the step's segments from each batch row's adapter and token count, putting
+        the adapters into slots first."""
+        wanted = {lora.lora_int_id: lora for lora in loras if lora is not None}
+        if len(wanted) > self.config.max_loras:
+            raise RuntimeError(
+                f"a step with {len(wanted)} adapters, more than --max-loras "
+                f"{self.config.max_loras} (the scheduler should not allow it)"
+            )
+        slot_of = {}
+        for lora_id, lora in wanted.items():
+            slot_of[lora_id] = self._slot_for(lora, wanted)
+        self.step.set(
+            [-1 if lora is None else slot_of[lora.lora_int_id] for lora in loras], num_tokens
+        )
+
+    def _slot_for(self, lora: LoRARequest, wanted: dict[int, LoRARequest]) -> int:
+        self._uses += 1
+        if lora.lora_int_id in self._slots:
+            slot = self._slots.index(lora.lora_int_id)
+        else:
+            free = [i for i, s in enumerate(self._slots) if s is None or s not in wanted]
+            slot = min(free, key=lambda i: (self._slots[i] is not None, self._slot_use[i]))
+            adapter = self.add(lora)
+            for key, slots in self.layers.items():
+                slots.load(slot, adapter.parts.get(key, []))
+            self._slots[slot] = lora.lora_int_id
+        self._slot_use[slot] = self._uses
+        return slot
