@@ -1401,12 +1401,38 @@ def test_without_kv_events_prefix_routing_is_approximate() -> None:
     assert {"queue-scorer", "kv-cache-utilization-scorer", "max-score-picker"} <= declared.keys()
 
 
+def weights(config: dict[str, Any]) -> dict[str, float]:
+    """The default profile's scorers and their weights (the picker has none)."""
+    (profile,) = config["schedulingProfiles"]
+    return {p["pluginRef"]: p["weight"] for p in profile["plugins"] if "weight" in p}
+
+
+@pytest.mark.parametrize("kv_events", [False, True])
+def test_lora_turns_on_the_pickers_lora_affinity_scorer(kv_events: bool) -> None:
+    """llm-d-router v0.10.0's lora-affinity-scorer (GIE's name too) takes no parameters; it
+    reads vllm:lora_requests_info, which the core-metrics-extractor scrapes by default for
+    pods of engine type vllm."""
+    pool = {"inferencePool": {"enabled": True}, "kvEvents": {"enabled": kv_events}}
+    manifests = render(pool | VARIANTS["lora-from-config-maps"])
+    with_lora, without = epp_config(manifests), epp_config(render(pool))
+    assert references(with_lora) <= plugins(with_lora).keys()
+    scorer = {"lora-affinity-scorer": {}}
+    assert plugins(with_lora) == plugins(without) | scorer
+    assert weights(with_lora) == weights(without) | {"lora-affinity-scorer": 1}
+    assert "lora-affinity-scorer" not in references(without)
+    # The extractor keeps its built-in engine configs, vllm's LoRA metric among them, and
+    # the pods say they are vllm.
+    assert plugins(with_lora)["core-metrics-extractor"] == {}
+    assert pod_labels(manifests)["llm-d.ai/engine-type"] == "vllm"
+
+
 def test_endpoint_picker_restarts_when_its_config_changes() -> None:
     def checksum(values: dict[str, Any]) -> str:
         deployment = the(render(values), "Deployment", epp=True)
         return deployment["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
 
     assert checksum(POOL) != checksum(POOL | {"kvEvents": {"enabled": False}})
+    assert checksum(POOL) != checksum(POOL | {"lora": {"enabled": True}})
 
 
 # --- Endpoint picker rollouts and crashes ---------------------------------------------------

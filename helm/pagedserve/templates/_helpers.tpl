@@ -352,6 +352,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 The EPP's EndpointPickerConfig (llm-d router). With KV events, prefix hits are precise: the
 EPP tokenizes each request through the server's render endpoint and looks its blocks up in
 the index the pods' events keep; without, it estimates them from its own routing history.
+With LoRA, the lora-affinity-scorer prefers pods where the request's adapter is already
+running, then pods with room to load it. It reads vllm:lora_requests_info, which the
+core-metrics-extractor's built-in vllm engine config already scrapes (loraSpec), so neither
+an engineConfigs entry nor the deprecated --lora-info-metric flag is needed.
 */}}
 {{- define "pagedserve.eppConfig" -}}
 apiVersion: llm-d.ai/v1alpha1
@@ -363,6 +367,9 @@ plugins:
   - type: queue-scorer
   - type: kv-cache-utilization-scorer
   - type: max-score-picker
+{{- if .Values.lora.enabled }}
+  - type: lora-affinity-scorer
+{{- end }}
 {{- if .Values.kvEvents.enabled }}
   - type: endpoint-notification-source
   - type: token-producer
@@ -407,5 +414,9 @@ schedulingProfiles:
         weight: 1
       - pluginRef: queue-scorer
         weight: 1
+      {{- if .Values.lora.enabled }}
+      - pluginRef: lora-affinity-scorer
+        weight: 1
+      {{- end }}
       - pluginRef: max-score-picker
 {{- end }}
