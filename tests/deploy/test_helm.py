@@ -80,6 +80,26 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "apiKeys": {"existingSecret": "tenant-keys"},
         "server": {"renderAllowFrom": ["10.244.0.0/16"]},
     },
+    "lora-from-a-claim-behind-a-pool": {
+        "inferencePool": {"enabled": True},
+        "lora": {
+            "enabled": True,
+            "maxLoras": 4,
+            "source": "pvc",
+            "pvc": {"existingClaim": "adapters", "subPath": "llama"},
+            "adapters": [{"name": "sql", "path": "sql-lora"}, {"name": "chat"}],
+        },
+    },
+    "lora-from-config-maps": {
+        "lora": {
+            "enabled": True,
+            "source": "configMap",
+            "adapters": [
+                {"name": "sql", "configMap": "sql-lora"},
+                {"name": "chat", "configMap": "chat-lora"},
+            ],
+        },
+    },
     **{f"example-{path.stem}": helm.values_from_yaml(path.read_text()) for path in EXAMPLE_VALUES},
 }
 
@@ -262,6 +282,24 @@ BAD_VALUES = {
     "replay-port-out-of-range": {"kvEvents": {"replayPort": 0}},
     "render-allow-from-a-name": {"server": {"renderAllowFrom": ["cluster"]}},
     "render-allow-from-a-string": {"server": {"renderAllowFrom": "10.0.0.0/8"}},
+    "lora-unknown-key": {"lora": {"enabled": True, "maxAdapters": 4}},
+    "lora-zero-max-loras": {"lora": {"enabled": True, "maxLoras": 0}},
+    "lora-rank-as-word": {"lora": {"enabled": True, "maxLoraRank": "high"}},
+    "lora-unknown-source": {"lora": {"enabled": True, "source": "s3"}},
+    "lora-relative-mount": {"lora": {"enabled": True, "mountPath": "adapters"}},
+    "lora-claim-not-a-name": {"lora": {"pvc": {"existingClaim": "My_Claim"}}},
+    "lora-sub-path-escapes": {"lora": {"pvc": {"subPath": "../other"}}},
+    "lora-adapter-unnamed": {"lora": {"adapters": [{"path": "sql"}]}},
+    "lora-adapter-unknown-key": {"lora": {"adapters": [{"name": "sql", "dir": "sql"}]}},
+    # A comma or a space would split the --lora-modules list the server reads.
+    "lora-adapter-name-with-comma": {"lora": {"adapters": [{"name": "a,b"}]}},
+    "lora-adapter-name-with-slash": {"lora": {"adapters": [{"name": "org/sql"}]}},
+    "lora-adapter-absolute-path": {"lora": {"adapters": [{"name": "sql", "path": "/sql"}]}},
+    "lora-adapter-path-escapes": {"lora": {"adapters": [{"name": "sql", "path": "a/../../b"}]}},
+    "lora-adapter-path-with-space": {"lora": {"adapters": [{"name": "sql", "path": "my sql"}]}},
+    "lora-adapter-config-map-not-a-name": {
+        "lora": {"adapters": [{"name": "sql", "configMap": "SQL"}]}
+    },
 }
 
 
@@ -316,6 +354,81 @@ def test_schema_error_names_the_offending_key() -> None:
     ],
 )
 def test_template_rejects_contradictory_values(values: dict[str, Any], message: str) -> None:
+    with pytest.raises(helm.HelmRenderError, match=message):
+        render(values)
+
+
+CLAIM = {"enabled": True, "source": "pvc", "pvc": {"existingClaim": "adapters"}}
+# Combinations of lora values the templates refuse, and the words their message must carry.
+LORA_CONTRADICTIONS = {
+    "adapters-without-lora": (
+        {"lora": {"source": "pvc", "adapters": [{"name": "sql"}]}},
+        "need lora.enabled",
+    ),
+    "adapters-without-a-source": (
+        {"lora": {"enabled": True, "adapters": [{"name": "sql"}]}},
+        r"lora.adapters need lora.source \(pvc or configMap\)",
+    ),
+    "claim-unnamed": (
+        {"lora": {"enabled": True, "source": "pvc"}},
+        r"lora.source=pvc needs lora.pvc.existingClaim",
+    ),
+    "config-map-source-without-adapters": (
+        {"lora": {"enabled": True, "source": "configMap"}},
+        "needs lora.adapters, each naming its configMap",
+    ),
+    "config-map-adapter-without-its-config-map": (
+        {"lora": {"enabled": True, "source": "configMap", "adapters": [{"name": "sql"}]}},
+        '"sql" needs a configMap',
+    ),
+    "config-map-adapter-with-a-path": (
+        {
+            "lora": {
+                "enabled": True,
+                "source": "configMap",
+                "adapters": [{"name": "sql", "configMap": "sql-lora", "path": "sql"}],
+            }
+        },
+        '"sql" has a path, which is for lora.source=pvc',
+    ),
+    "claim-adapter-with-a-config-map": (
+        {"lora": CLAIM | {"adapters": [{"name": "sql", "configMap": "sql-lora"}]}},
+        '"sql" has a configMap, which is for lora.source=configMap',
+    ),
+    "duplicate-names": (
+        {"lora": CLAIM | {"adapters": [{"name": "sql"}, {"name": "sql", "path": "sql-v2"}]}},
+        '"sql" is listed twice',
+    ),
+    "named-as-the-served-model": (
+        {"server": {"servedModelName": "llama"}, "lora": CLAIM | {"adapters": [{"name": "llama"}]}},
+        '"llama" is the served model name',
+    ),
+    "named-as-the-model-directory": (
+        {
+            "model": {"source": "pvc", "path": "Llama-3.1-8B-Instruct"},
+            "lora": CLAIM | {"adapters": [{"name": "Llama-3.1-8B-Instruct"}]},
+        },
+        "is the served model name",
+    ),
+    "with-tensor-parallelism": (
+        {"gpu": {"count": 1}, "server": {"tensorParallelSize": 2}, "lora": {"enabled": True}},
+        r"lora.enabled needs server.tensorParallelSize 1",
+    ),
+    "fewer-cpu-than-gpu-adapters": (
+        {"lora": {"enabled": True, "maxLoras": 4, "maxCpuLoras": 2}},
+        r"lora.maxCpuLoras \(2\) is below lora.maxLoras \(4\)",
+    ),
+    "adapters-where-the-model-is": (
+        {"model": {"source": "pvc", "mountPath": "/data/"}, "lora": CLAIM | {"mountPath": "/data"}},
+        "lora.mountPath and model.mountPath must differ",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("values", "message"), LORA_CONTRADICTIONS.values(), ids=LORA_CONTRADICTIONS.keys()
+)
+def test_template_rejects_contradictory_lora_values(values: dict[str, Any], message: str) -> None:
     with pytest.raises(helm.HelmRenderError, match=message):
         render(values)
 
@@ -572,6 +685,145 @@ def test_model_from_a_host_path() -> None:
     volume = model_volume(manifests)
     assert volume is not None and volume["hostPath"]["path"] == "/mnt/llm"
     assert env_of(server_container(manifests))["PAGEDSERVE_MODEL"] == "/models/qwen"
+
+
+# --- LoRA adapters -----------------------------------------------------------------------------
+
+
+def lora_modules(container: dict[str, Any]) -> dict[str, str]:
+    """--lora-modules as the server reads its variable: adapter name -> directory."""
+    raw = env_of(container)["PAGEDSERVE_LORA_MODULES"]
+    return dict(module.split("=", 1) for module in raw.split(","))
+
+
+def volume_at(manifests: list[dict[str, Any]], directory: str) -> tuple[dict, dict]:
+    """(mount, volume) of the deepest mount that holds `directory` in the server's pod."""
+    pod = the(manifests, "Deployment")["spec"]["template"]["spec"]
+    holding = [
+        m
+        for m in server_container(manifests)["volumeMounts"]
+        if (directory + "/").startswith(m["mountPath"].rstrip("/") + "/")
+    ]
+    mount = max(holding, key=lambda m: len(m["mountPath"]))
+    return mount, next(v for v in pod["volumes"] if v["name"] == mount["name"])
+
+
+def test_lora_adapters_from_an_existing_claim() -> None:
+    manifests = render(VARIANTS["lora-from-a-claim-behind-a-pool"])
+    container = server_container(manifests)
+    env = env_of(container)
+    assert env["PAGEDSERVE_ENABLE_LORA"] == "true"
+    assert env["PAGEDSERVE_MAX_LORAS"] == "4"
+    # Unset counts are left to the server's defaults.
+    assert "PAGEDSERVE_MAX_LORA_RANK" not in env and "PAGEDSERVE_MAX_CPU_LORAS" not in env
+    # An adapter's directory is its path, else its name, under the mount.
+    assert lora_modules(container) == {"sql": "/adapters/sql-lora", "chat": "/adapters/chat"}
+    for directory in lora_modules(container).values():
+        mount, volume = volume_at(manifests, directory)
+        assert mount == {
+            "name": "lora-adapters",
+            "mountPath": "/adapters",
+            "subPath": "llama",
+            "readOnly": True,
+        }
+        assert volume["persistentVolumeClaim"] == {"claimName": "adapters", "readOnly": True}
+    # The chart creates no claim for adapters: they are copied onto one the user owns.
+    assert "PersistentVolumeClaim" not in kinds(manifests)
+
+
+def test_lora_adapters_from_config_maps() -> None:
+    manifests = render(VARIANTS["lora-from-config-maps"])
+    container = server_container(manifests)
+    assert env_of(container)["PAGEDSERVE_ENABLE_LORA"] == "true"
+    modules = lora_modules(container)
+    assert modules == {"sql": "/adapters/sql", "chat": "/adapters/chat"}
+    config_maps = {}
+    for name, directory in modules.items():
+        mount, volume = volume_at(manifests, directory)
+        assert mount["mountPath"] == directory and mount["readOnly"] is True
+        assert "subPath" not in mount  # a subPath mount would never see an updated ConfigMap
+        config_maps[name] = volume["configMap"]["name"]
+    assert config_maps == {"sql": "sql-lora", "chat": "chat-lora"}
+
+
+def test_lora_adapters_on_the_model_claim_share_its_volume() -> None:
+    values = {
+        "model": {"source": "pvc", "path": "llama", "pvc": {"existingClaim": "weights"}},
+        "lora": CLAIM
+        | {"pvc": {"existingClaim": "weights", "subPath": "adapters/llama"}}
+        | {"adapters": [{"name": "sql"}]},
+    }
+    manifests = render(values)
+    pod = the(manifests, "Deployment")["spec"]["template"]["spec"]
+    claims = [
+        v["persistentVolumeClaim"]["claimName"]
+        for v in pod["volumes"]
+        if "persistentVolumeClaim" in v
+    ]
+    assert claims == ["weights"]
+    mount, volume = volume_at(manifests, lora_modules(server_container(manifests))["sql"])
+    assert volume["name"] == "model"
+    assert (mount["mountPath"], mount["subPath"], mount["readOnly"]) == (
+        "/adapters",
+        "adapters/llama",
+        True,
+    )
+    assert env_of(server_container(manifests))["PAGEDSERVE_MODEL"] == "/models/llama"
+
+
+def test_lora_without_adapters_only_turns_it_on() -> None:
+    """Adapters can all come at run time (POST /v1/load_lora_adapter) from the claim, or
+    from wherever the operator mounted them with extraVolumes."""
+    counts = {"maxLoras": 8, "maxLoraRank": 64, "maxCpuLoras": 16}
+    for lora in ({"enabled": True}, CLAIM):
+        manifests = render({"lora": lora | counts})
+        env = env_of(server_container(manifests))
+        assert env["PAGEDSERVE_ENABLE_LORA"] == "true"
+        assert "PAGEDSERVE_LORA_MODULES" not in env
+        assert (
+            env["PAGEDSERVE_MAX_LORAS"],
+            env["PAGEDSERVE_MAX_LORA_RANK"],
+            env["PAGEDSERVE_MAX_CPU_LORAS"],
+        ) == ("8", "64", "16")
+    # One CPU slot is enough for the server's default of one adapter per batch.
+    assert render({"lora": {"enabled": True, "maxCpuLoras": 1}})
+
+
+def test_no_lora_by_default() -> None:
+    manifests = render()
+    assert not [name for name in env_of(server_container(manifests)) if "LORA" in name]
+    pod = the(manifests, "Deployment")["spec"]["template"]["spec"]
+    assert not [v for v in pod["volumes"] if v["name"].startswith("lora")]
+
+
+def server_has_lora_flags() -> bool:
+    from server.cli import engine_options
+
+    return "enable_lora" in {option.name for option in engine_options()}
+
+
+@pytest.mark.xfail(
+    "not server_has_lora_flags()",
+    reason="waits for the server's LoRA flags (issue 38, engine side)",
+    strict=True,
+)
+def test_the_server_reads_the_lora_variables_the_chart_sets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The chart's LoRA variables are flags `pagedserve serve` reads, and its module list
+    parses into the adapters listed."""
+    from server.cli import build_parser, engine_options, env_name
+
+    env = env_of(server_container(render(VARIANTS["lora-from-a-claim-behind-a-pool"])))
+    chart = {name: value for name, value in env.items() if "LORA" in name}
+    known = {env_name(option.name) for option in engine_options()}
+    assert chart.keys() <= known
+    for name, value in chart.items():
+        monkeypatch.setenv(name, value)  # as the pod's environment sets them
+    args = build_parser().parse_args(["serve"])
+    assert args.enable_lora is True and args.max_loras == 4
+    assert "sql=/adapters/sql-lora" in str(args.lora_modules)
+    assert "chat=/adapters/chat" in str(args.lora_modules)
 
 
 def test_gpu_request_adds_the_device_limit_and_the_gpu_image() -> None:
@@ -1149,12 +1401,38 @@ def test_without_kv_events_prefix_routing_is_approximate() -> None:
     assert {"queue-scorer", "kv-cache-utilization-scorer", "max-score-picker"} <= declared.keys()
 
 
+def weights(config: dict[str, Any]) -> dict[str, float]:
+    """The default profile's scorers and their weights (the picker has none)."""
+    (profile,) = config["schedulingProfiles"]
+    return {p["pluginRef"]: p["weight"] for p in profile["plugins"] if "weight" in p}
+
+
+@pytest.mark.parametrize("kv_events", [False, True])
+def test_lora_turns_on_the_pickers_lora_affinity_scorer(kv_events: bool) -> None:
+    """llm-d-router v0.10.0's lora-affinity-scorer (GIE's name too) takes no parameters; it
+    reads vllm:lora_requests_info, which the core-metrics-extractor scrapes by default for
+    pods of engine type vllm."""
+    pool = {"inferencePool": {"enabled": True}, "kvEvents": {"enabled": kv_events}}
+    manifests = render(pool | VARIANTS["lora-from-config-maps"])
+    with_lora, without = epp_config(manifests), epp_config(render(pool))
+    assert references(with_lora) <= plugins(with_lora).keys()
+    scorer = {"lora-affinity-scorer": {}}
+    assert plugins(with_lora) == plugins(without) | scorer
+    assert weights(with_lora) == weights(without) | {"lora-affinity-scorer": 1}
+    assert "lora-affinity-scorer" not in references(without)
+    # The extractor keeps its built-in engine configs, vllm's LoRA metric among them, and
+    # the pods say they are vllm.
+    assert plugins(with_lora)["core-metrics-extractor"] == {}
+    assert pod_labels(manifests)["llm-d.ai/engine-type"] == "vllm"
+
+
 def test_endpoint_picker_restarts_when_its_config_changes() -> None:
     def checksum(values: dict[str, Any]) -> str:
         deployment = the(render(values), "Deployment", epp=True)
         return deployment["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
 
     assert checksum(POOL) != checksum(POOL | {"kvEvents": {"enabled": False}})
+    assert checksum(POOL) != checksum(POOL | {"lora": {"enabled": True}})
 
 
 # --- Endpoint picker rollouts and crashes ---------------------------------------------------

@@ -170,6 +170,105 @@ Combinations the schema cannot express.
 {{- if and (gt (int .Values.gpu.count) 1) (gt $tp 1) (ne (int .Values.gpu.count) $tp) }}
 {{- fail (printf "gpu.count (%d) and server.tensorParallelSize (%d) disagree: each rank takes one GPU; set only tensorParallelSize" (int .Values.gpu.count) $tp) }}
 {{- end }}
+{{- include "pagedserve.validateLora" . }}
+{{- end }}
+
+{{/*
+LoRA combinations: adapters need a volume to be read from, a model name of their own, and
+a server on one rank.
+*/}}
+{{- define "pagedserve.validateLora" -}}
+{{- $lora := .Values.lora }}
+{{- if not $lora.enabled }}
+{{- if or $lora.source $lora.adapters }}
+{{- fail "lora.source and lora.adapters need lora.enabled" }}
+{{- end }}
+{{- else }}
+{{- if gt (int (.Values.server.tensorParallelSize | default 1)) 1 }}
+{{- fail "lora.enabled needs server.tensorParallelSize 1: pagedserve serves LoRA adapters on a single rank" }}
+{{- end }}
+{{- if and $lora.adapters (not $lora.source) }}
+{{- fail "lora.adapters need lora.source (pvc or configMap): the server reads each adapter's directory from a volume the pod mounts" }}
+{{- end }}
+{{- if and (eq $lora.source "pvc") (not $lora.pvc.existingClaim) }}
+{{- fail "lora.source=pvc needs lora.pvc.existingClaim" }}
+{{- end }}
+{{- if and (eq $lora.source "configMap") (not $lora.adapters) }}
+{{- fail "lora.source=configMap needs lora.adapters, each naming its configMap" }}
+{{- end }}
+{{- if and (ne .Values.model.source "image") (eq (trimSuffix "/" $lora.mountPath) (trimSuffix "/" .Values.model.mountPath)) }}
+{{- fail "lora.mountPath and model.mountPath must differ: one directory holds the model, the other the adapters" }}
+{{- end }}
+{{- $served := include "pagedserve.servedModelName" . }}
+{{- $seen := dict }}
+{{- range $lora.adapters }}
+{{- if hasKey $seen .name }}
+{{- fail (printf "lora.adapters: %q is listed twice: each adapter is a model name of its own" .name) }}
+{{- end }}
+{{- $_ := set $seen .name true }}
+{{- if eq .name $served }}
+{{- fail (printf "lora.adapters: %q is the served model name: requests for it must reach the base model, so name the adapter otherwise" .name) }}
+{{- end }}
+{{- if and (eq $lora.source "configMap") (not .configMap) }}
+{{- fail (printf "lora.adapters: %q needs a configMap with lora.source=configMap" .name) }}
+{{- end }}
+{{- if and (eq $lora.source "configMap") .path }}
+{{- fail (printf "lora.adapters: %q has a path, which is for lora.source=pvc: a ConfigMap adapter is mounted at lora.mountPath/<name>" .name) }}
+{{- end }}
+{{- if and (eq $lora.source "pvc") .configMap }}
+{{- fail (printf "lora.adapters: %q has a configMap, which is for lora.source=configMap" .name) }}
+{{- end }}
+{{- end }}
+{{- $gpuLoras := int ($lora.maxLoras | default 1) }}
+{{- if and $lora.maxCpuLoras (lt (int $lora.maxCpuLoras) $gpuLoras) }}
+{{- fail (printf "lora.maxCpuLoras (%d) is below lora.maxLoras (%d): the adapters of a batch are also kept in CPU memory" (int $lora.maxCpuLoras) $gpuLoras) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+vLLM's --lora-modules as the server reads its variable: name=directory, comma-separated. A
+pvc adapter's directory is its path (default: its name) under lora.mountPath; a ConfigMap
+adapter is mounted at lora.mountPath/<name>.
+*/}}
+{{- define "pagedserve.loraModules" -}}
+{{- $mount := trimSuffix "/" .Values.lora.mountPath }}
+{{- $modules := list }}
+{{- range .Values.lora.adapters }}
+{{- $dir := .name }}
+{{- if eq $.Values.lora.source "pvc" }}{{ $dir = .path | default .name | trimSuffix "/" }}{{ end }}
+{{- $modules = append $modules (printf "%s=%s/%s" .name $mount $dir) }}
+{{- end }}
+{{- join "," $modules }}
+{{- end }}
+
+{{/*
+The server's LoRA flags as PAGEDSERVE_* variables; null counts leave the server's defaults.
+*/}}
+{{- define "pagedserve.loraEnv" -}}
+{{- if .Values.lora.enabled }}
+- name: PAGEDSERVE_ENABLE_LORA
+  value: "true"
+{{- with include "pagedserve.loraModules" . }}
+- name: PAGEDSERVE_LORA_MODULES
+  value: {{ . | quote }}
+{{- end }}
+{{- range $flag, $value := pick .Values.lora "maxLoras" "maxLoraRank" "maxCpuLoras" }}
+{{- if not (kindIs "invalid" $value) }}
+- name: PAGEDSERVE_{{ snakecase $flag | upper }}
+  value: {{ int64 $value | toString | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+The volume the pvc adapters are mounted from: the model's own when it is the same claim, so
+that the pod declares each claim once; else lora-adapters.
+*/}}
+{{- define "pagedserve.loraVolumeName" -}}
+{{- if and (eq .Values.model.source "pvc") (eq .Values.lora.pvc.existingClaim (include "pagedserve.modelClaimName" .)) }}model
+{{- else }}lora-adapters{{- end }}
 {{- end }}
 
 {{/*
@@ -253,6 +352,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 The EPP's EndpointPickerConfig (llm-d router). With KV events, prefix hits are precise: the
 EPP tokenizes each request through the server's render endpoint and looks its blocks up in
 the index the pods' events keep; without, it estimates them from its own routing history.
+With LoRA, the lora-affinity-scorer prefers pods where the request's adapter is already
+running, then pods with room to load it. It reads vllm:lora_requests_info, which the
+core-metrics-extractor's built-in vllm engine config already scrapes (loraSpec), so neither
+an engineConfigs entry nor the deprecated --lora-info-metric flag is needed.
 */}}
 {{- define "pagedserve.eppConfig" -}}
 apiVersion: llm-d.ai/v1alpha1
@@ -264,6 +367,9 @@ plugins:
   - type: queue-scorer
   - type: kv-cache-utilization-scorer
   - type: max-score-picker
+{{- if .Values.lora.enabled }}
+  - type: lora-affinity-scorer
+{{- end }}
 {{- if .Values.kvEvents.enabled }}
   - type: endpoint-notification-source
   - type: token-producer
@@ -308,5 +414,9 @@ schedulingProfiles:
         weight: 1
       - pluginRef: queue-scorer
         weight: 1
+      {{- if .Values.lora.enabled }}
+      - pluginRef: lora-affinity-scorer
+        weight: 1
+      {{- end }}
       - pluginRef: max-score-picker
 {{- end }}
