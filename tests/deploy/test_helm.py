@@ -796,22 +796,12 @@ def test_no_lora_by_default() -> None:
     assert not [v for v in pod["volumes"] if v["name"].startswith("lora")]
 
 
-def server_has_lora_flags() -> bool:
-    from server.cli import engine_options
-
-    return "enable_lora" in {option.name for option in engine_options()}
-
-
-@pytest.mark.xfail(
-    "not server_has_lora_flags()",
-    reason="waits for the server's LoRA flags (issue 38, engine side)",
-    strict=True,
-)
 def test_the_server_reads_the_lora_variables_the_chart_sets(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The chart's LoRA variables are flags `pagedserve serve` reads, and its module list
     parses into the adapters listed."""
+    from engine.lora import parse_lora_modules
     from server.cli import build_parser, engine_options, env_name
 
     env = env_of(server_container(render(VARIANTS["lora-from-a-claim-behind-a-pool"])))
@@ -822,8 +812,11 @@ def test_the_server_reads_the_lora_variables_the_chart_sets(
         monkeypatch.setenv(name, value)  # as the pod's environment sets them
     args = build_parser().parse_args(["serve"])
     assert args.enable_lora is True and args.max_loras == 4
-    assert "sql=/adapters/sql-lora" in str(args.lora_modules)
-    assert "chat=/adapters/chat" in str(args.lora_modules)
+    modules = parse_lora_modules(args.lora_modules)
+    assert [(m.name, m.path) for m in modules] == [
+        ("sql", "/adapters/sql-lora"),
+        ("chat", "/adapters/chat"),
+    ]
 
 
 def test_gpu_request_adds_the_device_limit_and_the_gpu_image() -> None:
