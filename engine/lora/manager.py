@@ -55,6 +55,8 @@ class LoRAManager:
                 linear.lora = slots
                 self.layers[(index, name)] = slots
         model.lora_step = self.step
+        if model.fused_layers is not None:  # the native ops carry the slots too
+            model.build_fused_layers(model.fused_dense_layers is not None)
         self._cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()  # by lora_int_id
         self._slots: list[int | None] = [None] * config.max_loras  # lora_int_id per slot
         self._slot_use: list[int] = [0] * config.max_loras
@@ -72,8 +74,13 @@ class LoRAManager:
         self._cpu.move_to_end(lora.lora_int_id)
         # A new adapter under a reused id: the slot's weights are the old one's.
         self._slots = [None if s == lora.lora_int_id else s for s in self._slots]
-        while len(self._cpu) > self.config.max_cpu_loras:
-            self._cpu.popitem(last=False)
+        # Over the limit: the least recently used out, but not one a slot holds (its
+        # requests may still be running; max_cpu_loras >= max_loras leaves one to drop).
+        for lora_id in list(self._cpu):
+            if len(self._cpu) <= self.config.max_cpu_loras:
+                break
+            if lora_id not in self._slots and lora_id != lora.lora_int_id:
+                del self._cpu[lora_id]
         return adapter
 
     def remove(self, lora_int_id: int) -> bool:

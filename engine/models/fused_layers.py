@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from engine.lora.layers import LoRAStep
 from engine.models.layers import Linear
 from engine.models.quantized import MAX_KERNEL_ROWS
 from engine.ops.loader import native_kernels
@@ -25,8 +26,16 @@ _DENSE, _PACKED, _QUANTIZED, _TILED = 0, 1, 2, 3
 
 def linear_weights(layer: Linear, dense: bool = False) -> Any:
     """The layer's weight as pagedserve's LinearWeights (dense, oneDNN-packed, quantized or
-    tiled bfloat16);
-    with `dense`, a quantized layer's dense copy where it has one."""
+    tiled bfloat16), with its LoRA slots where it has them; with `dense`, a quantized
+    layer's dense copy where it has one."""
+    weights = _base_weights(layer, dense)
+    if layer.lora is not None:
+        slots = layer.lora
+        weights.set_lora(slots.a, slots.bt, slots.ranks, len(slots.slice_sizes))
+    return weights
+
+
+def _base_weights(layer: Linear, dense: bool) -> Any:
     make = torch.classes.pagedserve.LinearWeights
     if layer.quantized is not None and not (dense and layer.has_dense):
         w = layer.quantized
@@ -83,11 +92,20 @@ def fused_layers_available(weight: torch.Tensor) -> bool:
 
 
 def run_fused_layers(
-    layers: FusedLayers, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Any
+    layers: FusedLayers,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    attn: Any,
+    lora: LoRAStep | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder layers' loop of llama.DecoderModel.forward, as one native op: (the last
-    layer's MLP output, the residual before it)."""
-    return _decoder_layers_op()(x, layers.stack, cos, sin, *attn.stack_args())
+    layer's MLP output, the residual before it); with the step's LoRA segments, if any."""
+    if lora is None or not lora.active:
+        return _decoder_layers_op()(x, layers.stack, cos, sin, *attn.stack_args())
+    return _decoder_layers_op()(
+        x, layers.stack, cos, sin, *attn.stack_args(), lora.starts, lora.slots
+    )
 
 
 @functools.cache

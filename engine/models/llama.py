@@ -134,8 +134,8 @@ class DecoderModel(nn.Module):
         # with dense copies of quantized weights, a second set for steps of many tokens.
         self.fused_layers: FusedLayers | None = None
         self.fused_dense_layers: FusedLayers | None = None
-        # Multi-LoRA (engine/lora): the step's adapter segments; a step with any runs the
-        # Python layers, whose Linear layers apply them.
+        # Multi-LoRA (engine/lora): the step's adapter segments, which the layers' Linear
+        # layers (or the native ops, which hold the same slots) apply.
         self.lora_step: LoRAStep | None = None
 
     def quantize_embedding(self, weight: QuantizedWeight) -> None:
@@ -174,7 +174,11 @@ class DecoderModel(nn.Module):
             # A plain float head that no kernel lays out stays where it is (no second handle).
             if layer.weight is None or self.quantized_head is not None:
                 self.dense_head = layer
-        # The native layer op runs dense MLPs only.
+        self.build_fused_layers(dense_copy)
+
+    def build_fused_layers(self, dense_copy: bool) -> None:
+        """The layers as native ops (dense MLPs only), where they can run so; again after
+        LoRA slots are attached to the layers (engine/lora), so that the ops carry them."""
         if fused_layers_available(self.norm.weight) and not self.arch.is_moe:
             self.fused_layers = FusedLayers([layer_weights(layer) for layer in self.layers])
             if dense_copy:
@@ -198,9 +202,8 @@ class DecoderModel(nn.Module):
         fused = self.fused_layers
         if self.fused_dense_layers is not None and x.shape[0] > DENSE_COPY_ROWS:
             fused = self.fused_dense_layers
-        adapted = self.lora_step is not None and self.lora_step.active
-        if fused and hasattr(attn, "stack_args") and not adapted:
-            x, residual = run_fused_layers(fused, x, cos, sin, attn)
+        if fused and hasattr(attn, "stack_args"):
+            x, residual = run_fused_layers(fused, x, cos, sin, attn, self.lora_step)
         else:
             for layer in self.layers:
                 x, residual = layer(x, residual, cos, sin, attn)

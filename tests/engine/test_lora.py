@@ -69,6 +69,8 @@ def test_adapters_change_the_output(case: LoRACase) -> None:
 
 def test_one_step_mixes_three_adapters_and_the_base_model(case: LoRACase) -> None:
     llm = tiny_llm(case.base, enable_lora=True, max_loras=3, max_lora_rank=8)
+    # The layers run as the native decoder op, which applies the adapters itself.
+    assert llm.core.runner.model.fused_layers is not None
     jobs = [(p, name) for p in range(3) for name in [*ADAPTERS, None]]
     assert run(llm, case, jobs) == [case.reference[job] for job in jobs]
     # The same prompt's blocks were never shared between adapters: each request that could
@@ -167,3 +169,36 @@ def test_native_lora_kernel_against_float64(isa: str, dtype: torch.dtype) -> Non
     assert (y.double() - expected).abs().max().item() < tolerance * expected.abs().max().item()
     untouched = torch.cat([torch.arange(4, 6), torch.arange(10, 11)])
     assert torch.equal(y[untouched].double(), expected[untouched])
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_adapters_add_to_a_quantized_layer(method: str) -> None:
+    """A quantized layer's output plus exactly its adapters' products, row by row: the
+    adapter does not care how the base weight is stored."""
+    from engine.lora.adapter import LoRAPart
+    from engine.lora.layers import LoRASlots, LoRAStep
+    from engine.models.layers import Linear
+    from engine.models.quantized import quantize_int4, quantize_int8
+
+    torch.manual_seed(1)
+    layer = Linear(64, 48)
+    quantize = quantize_int8 if method == "int8" else quantize_int4
+    layer.quantize(quantize(torch.randn(48, 64)))
+    step = LoRAStep()
+    slots = LoRASlots(64, (16, 32), 2, 4, step, torch.float32, torch.device("cpu"))
+    parts = [
+        LoRAPart(0, torch.randn(3, 64), torch.randn(16, 3)),
+        LoRAPart(None, torch.randn(4, 64), torch.randn(48, 4)),
+    ]
+    slots.load(0, parts[:1])
+    slots.load(1, parts[1:])
+    layer.lora = slots
+    x = torch.randn(6, 64)
+    base = layer(x)  # no segments this step: the base output alone
+    step.set([1, -1, 0], [2, 3, 1])  # rows 0-1: slot 1; 2-4: the base; 5: slot 0
+    adapted = layer(x)
+    expected = base.clone()
+    expected[0:2] += x[0:2] @ parts[1].a.t() @ parts[1].b.t()
+    expected[5:6, 0:16] += x[5:6] @ parts[0].a.t() @ parts[0].b.t()
+    torch.testing.assert_close(adapted, expected, rtol=1e-5, atol=1e-4)
+    assert torch.equal(adapted[2:5], base[2:5])

@@ -57,6 +57,8 @@ def test_the_document_describes_the_request_bodies(api: LiveServer) -> None:
         "/detokenize": "#/components/schemas/DetokenizeRequest",
         "/v1/embeddings": "#/components/schemas/EmbeddingRequest",
         "/v1/responses": "#/components/schemas/ResponsesRequest",
+        "/v1/load_lora_adapter": "#/components/schemas/LoadLoRAAdapterRequest",
+        "/v1/unload_lora_adapter": "#/components/schemas/UnloadLoRAAdapterRequest",
     }
     completion = document["components"]["schemas"]["CompletionRequest"]
     assert completion["additionalProperties"] is False and completion["required"] == ["prompt"]

@@ -82,7 +82,23 @@ struct LinearWeights : torch::CustomClassHolder {
     TORCH_CHECK(kind >= kDense && kind <= kTiled, "unknown linear kind");
     TORCH_CHECK(kind != kQuantized || this->scales.has_value(), "quantized weights need scales");
   }
+
+  // The layer's LoRA slots (engine/lora/layers.py's LoRASlots: the same tensors, which the
+  // runner fills in place), added to the step's adapted rows after the base output.
+  std::optional<at::Tensor> lora_a, lora_bt, lora_ranks;
+  int64_t lora_blocks = 0;
+
+  void set_lora(at::Tensor a, at::Tensor bt, at::Tensor ranks, int64_t blocks) {
+    lora_a = std::move(a);
+    lora_bt = std::move(bt);
+    lora_ranks = std::move(ranks);
+    lora_blocks = blocks;
+  }
 };
+
+// The step's LoRA segments (decoder_layers' lora_bounds and lora_slots) while its layers
+// run; empty when no row of the step has an adapter.
+thread_local std::vector<int64_t> t_lora_bounds, t_lora_slots;
 
 struct LayerWeights : torch::CustomClassHolder {
   c10::intrusive_ptr<LinearWeights> qkv, o_proj, gate_up, down;
@@ -177,6 +193,16 @@ const auto& quant_dequantize_op() {
   return op;
 }
 
+const auto& lora_apply_op() {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("pagedserve::lora_apply", "")
+          .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                      const at::Tensor&, int64_t, at::IntArrayRef, at::IntArrayRef,
+                      const OptString&)>();
+  return op;
+}
+
 const auto& bf16_linear_op() {
   static const auto op =
       c10::Dispatcher::singleton()
@@ -201,8 +227,20 @@ at::Tensor packed_linear(const at::Tensor& x, const LinearWeights& w) {
   return stack[0].toTensor();
 }
 
-// layers.Linear.forward for 2-D x: the same kernel and the same tensors.
+at::Tensor base_linear(const at::Tensor& x, const LinearWeights& w);
+
+// layers.Linear.forward for 2-D x: the same kernels and the same tensors, LoRA included.
 at::Tensor linear(const at::Tensor& x, const LinearWeights& w) {
+  at::Tensor y = base_linear(x, w);
+  if (w.lora_a.has_value() && !t_lora_slots.empty()) {
+    const KernelTimer timer;
+    lora_apply_op().call(y, x, *w.lora_a, *w.lora_bt, *w.lora_ranks, w.lora_blocks,
+                         t_lora_bounds, t_lora_slots, std::nullopt);
+  }
+  return y;
+}
+
+at::Tensor base_linear(const at::Tensor& x, const LinearWeights& w) {
   const KernelTimer timer;
   if (w.kind == kPacked) return packed_linear(x, w);
   if (w.kind == kDense) return at::linear(x, w.weight, w.bias);
@@ -332,8 +370,11 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     const at::Tensor& sin, const std::vector<at::Tensor>& k_caches,
     const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping,
     const at::Tensor& qo_indptr, const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
-    const at::Tensor& kv_last_page_len, double scale) {
+    const at::Tensor& kv_last_page_len, double scale, at::IntArrayRef lora_bounds,
+    at::IntArrayRef lora_slots) {
   const auto& layers = stack->layers;
+  t_lora_bounds.assign(lora_bounds.begin(), lora_bounds.end());
+  t_lora_slots.assign(lora_slots.begin(), lora_slots.end());
   TORCH_CHECK(!layers.empty(), "decoder_layers: the stack has no layers");
   TORCH_CHECK(k_caches.size() == layers.size() && v_caches.size() == layers.size(),
               "decoder_layers: one K and one V cache a layer");
@@ -355,7 +396,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.class_<pagedserve::LinearWeights>("LinearWeights")
       .def(torch::init<int64_t, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>,
-                       std::optional<at::Tensor>, int64_t, int64_t, int64_t, int64_t>());
+                       std::optional<at::Tensor>, int64_t, int64_t, int64_t, int64_t>())
+      .def("set_lora", &pagedserve::LinearWeights::set_lora);
   m.class_<pagedserve::LayerWeights>("LayerWeights")
       .def(torch::init<c10::intrusive_ptr<pagedserve::LinearWeights>,
                        c10::intrusive_ptr<pagedserve::LinearWeights>,
@@ -370,7 +412,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
       "decoder_layers(Tensor x, __torch__.torch.classes.pagedserve.DecoderStack stack, "
       "Tensor cos, Tensor sin, Tensor[] k_caches, Tensor[] v_caches, Tensor slot_mapping, "
       "Tensor qo_indptr, Tensor kv_indptr, Tensor kv_indices, Tensor kv_last_page_len, "
-      "float scale) -> (Tensor, Tensor)");
+      "float scale, int[] lora_bounds=[], int[] lora_slots=[]) -> (Tensor, Tensor)");
   m.def("kernel_time_ns(bool enable) -> (int, int)", &pagedserve::kernel_time_ns);
 }
 
