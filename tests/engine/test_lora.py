@@ -202,3 +202,20 @@ def test_adapters_add_to_a_quantized_layer(method: str) -> None:
     expected[5:6, 0:16] += x[5:6] @ parts[0].a.t() @ parts[0].b.t()
     torch.testing.assert_close(adapted, expected, rtol=1e-5, atol=1e-4)
     assert torch.equal(adapted[2:5], base[2:5])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_mixed_adapters_on_a_gpu(case: LoRACase) -> None:
+    """On CUDA (torch's segment GEMMs; float32 on the torch attention backend, as
+    FlashInfer has no float32 kernels): three adapters and the base model in one step."""
+    llm = tiny_llm(
+        case.base,
+        device="cuda",
+        attention_backend="torch",
+        enable_lora=True,
+        max_loras=3,
+        max_lora_rank=8,
+    )
+    jobs = [(p, name) for p in range(3) for name in [*ADAPTERS, None]]
+    assert run(llm, case, jobs) == [case.reference[job] for job in jobs]
