@@ -9,8 +9,9 @@ the adapter targets. qkv_proj with rank limit R, for an adapter of rank r on q a
     bt[slot]: B_q^T at rows 0..r, columns 0..q_size; B_v^T at rows 2R..2R+r, the v
               columns; else 0                                  (3R, out_features)
 
-so x a[slot]^T bt[slot] is (B_q A_q x, 0, B_v A_v x): the zero rows cost a little compute
-and keep every slot one shape. A step's tokens come in request order; LoRAStep holds the
+so x a[slot]^T bt[slot] is (B_q A_q x, 0, B_v A_v x). Every slot has one shape; the native
+kernel reads only each block's rows up to the adapter's rank, and of bt only the block's
+own output columns (`col_offsets`). A step's tokens come in request order; LoRAStep holds the
 runs of consecutive tokens of one adapter, and `apply` adds each run's product to the
 layer's output rows, leaving the base model's rows untouched.
 """
@@ -72,6 +73,10 @@ class LoRASlots:
     ) -> None:
         self.slice_sizes = slice_sizes
         self.max_rank = max_rank
+        # Where each slice's outputs start, and the end: [0, q, q + k, q + k + v].
+        self.col_offsets = [0]
+        for size in slice_sizes:
+            self.col_offsets.append(self.col_offsets[-1] + size)
         rows = max_rank * len(slice_sizes)
         self.a = torch.zeros(max_loras, rows, in_features, dtype=dtype, device=device)
         self.bt = torch.zeros(max_loras, rows, sum(slice_sizes), dtype=dtype, device=device)
@@ -84,18 +89,16 @@ class LoRASlots:
         self.a[slot].zero_()
         self.bt[slot].zero_()
         self.ranks[slot] = max((part.a.shape[0] for part in parts), default=0)
-        offsets = [0]
-        for size in self.slice_sizes:
-            offsets.append(offsets[-1] + size)
+        offsets = self.col_offsets
         for part in parts:
             r = part.a.shape[0]
-            if part.slice is None:  # the whole layer: the first block of rows
-                row, cols = 0, slice(0, offsets[-1])
-            else:
-                row = part.slice * self.max_rank
-                cols = slice(offsets[part.slice], offsets[part.slice + 1])
-            self.a[slot, row : row + r].copy_(part.a)
-            self.bt[slot, row : row + r, cols].copy_(part.b.t())
+            # A part for the whole layer is one per slice: the same A in each slice's block,
+            # and B's rows for that slice's outputs.
+            for s in range(len(self.slice_sizes)) if part.slice is None else [part.slice]:
+                row, cols = s * self.max_rank, slice(offsets[s], offsets[s + 1])
+                b = part.b if part.slice is not None else part.b[cols]
+                self.a[slot, row : row + r].copy_(part.a)
+                self.bt[slot, row : row + r, cols].copy_(b.t())
 
     def apply(self, y: torch.Tensor, x: torch.Tensor) -> None:
         """Adds the step's adapters' products to y (T, out) in place; x is (T, in)."""
@@ -105,7 +108,7 @@ class LoRASlots:
             self.a,
             self.bt,
             self.ranks,
-            len(self.slice_sizes),
+            self.col_offsets,
             self.step.starts,
             self.step.slots,
         )

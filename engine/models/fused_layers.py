@@ -31,7 +31,7 @@ def linear_weights(layer: Linear, dense: bool = False) -> Any:
     weights = _base_weights(layer, dense)
     if layer.lora is not None:
         slots = layer.lora
-        weights.set_lora(slots.a, slots.bt, slots.ranks, len(slots.slice_sizes))
+        weights.set_lora(slots.a, slots.bt, slots.ranks, slots.col_offsets)
     return weights
 
 

@@ -149,13 +149,14 @@ def lora_apply_(
     a: torch.Tensor,
     bt: torch.Tensor,
     ranks: torch.Tensor,
-    blocks: int,
+    col_offsets: list[int],
     bounds: list[int],
     slots: list[int],
 ) -> None:
-    """lora_apply_reference, in place; the native kernel skips each slot's rows past its
-    adapter's rank (`ranks`, per slot, in each of a's `blocks` row blocks), which are zero."""
+    """lora_apply_reference, in place. The native kernel reads only what can be nonzero:
+    a's row blocks (one per output slice, col_offsets[b]..col_offsets[b + 1]) up to each
+    slot's rank (`ranks`), and each block's rows of bt in its slice's columns."""
     if _native(y) and y.stride(-1) == 1 and x.stride(-1) == 1:
-        torch.ops.pagedserve.lora_apply(y, x, a, bt, ranks, blocks, bounds, slots)
+        torch.ops.pagedserve.lora_apply(y, x, a, bt, ranks, col_offsets, bounds, slots)
     else:
         lora_apply_reference(y, x, a, bt, bounds, slots)

@@ -149,25 +149,29 @@ def test_bad_adapters_are_refused_by_name(case: LoRACase, tmp_path: Path) -> Non
 @pytest.mark.parametrize("isa", isa_params())
 def test_native_lora_kernel_against_float64(isa: str, dtype: torch.dtype) -> None:
     torch.manual_seed(0)
-    slots, blocks, max_rank, k, n, rows = 3, 2, 8, 72, 40, 11
+    slots, max_rank, k, rows = 3, 8, 72, 11
+    col_offsets = [0, 24, 40]  # two output slices: columns 0..24 and 24..40
+    blocks, n = len(col_offsets) - 1, col_offsets[-1]
     a = torch.randn(slots, blocks * max_rank, k, dtype=dtype)
-    bt = torch.randn(slots, blocks * max_rank, n, dtype=dtype)
+    bt = torch.zeros(slots, blocks * max_rank, n, dtype=dtype)
     ranks = torch.tensor([8, 3, 5])
-    for slot, rank in enumerate(ranks.tolist()):  # past the rank: zero, and skipped
+    for slot, rank in enumerate(ranks.tolist()):  # past the rank and the slice: zero
         for b in range(blocks):
+            rows_b = slice(b * max_rank, b * max_rank + rank)
+            cols_b = slice(col_offsets[b], col_offsets[b + 1])
+            bt[slot, rows_b, cols_b] = torch.randn(rank, cols_b.stop - cols_b.start).to(dtype)
             a[slot, b * max_rank + rank : (b + 1) * max_rank] = 0
-            bt[slot, b * max_rank + rank : (b + 1) * max_rank] = 0
     x = torch.randn(rows, k, dtype=dtype)
     y = torch.randn(rows, n, dtype=dtype)
-    bounds, slot_of = [0, 3, 3, 4, 6, 10], [2, 0, 1]  # row 4..6 and 10 stay the base's
+    bounds, slot_of = [0, 6, 6, 7, 8, 10], [2, 0, 1]  # rows 7 and 10 stay the base's
     expected = y.double()
     for i, slot in enumerate(slot_of):
         s, e = bounds[2 * i], bounds[2 * i + 1]
         expected[s:e] += x[s:e].double() @ a[slot].double().t() @ bt[slot].double()
-    torch.ops.pagedserve.lora_apply(y, x, a, bt, ranks, blocks, bounds, slot_of, isa)
+    torch.ops.pagedserve.lora_apply(y, x, a, bt, ranks, col_offsets, bounds, slot_of, isa)
     tolerance = 1e-5 if dtype == torch.float32 else 0.02
     assert (y.double() - expected).abs().max().item() < tolerance * expected.abs().max().item()
-    untouched = torch.cat([torch.arange(4, 6), torch.arange(10, 11)])
+    untouched = torch.tensor([7, 10])
     assert torch.equal(y[untouched].double(), expected[untouched])
 
 

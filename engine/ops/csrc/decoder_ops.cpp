@@ -86,13 +86,13 @@ struct LinearWeights : torch::CustomClassHolder {
   // The layer's LoRA slots (engine/lora/layers.py's LoRASlots: the same tensors, which the
   // runner fills in place), added to the step's adapted rows after the base output.
   std::optional<at::Tensor> lora_a, lora_bt, lora_ranks;
-  int64_t lora_blocks = 0;
+  std::vector<int64_t> lora_col_offsets;
 
-  void set_lora(at::Tensor a, at::Tensor bt, at::Tensor ranks, int64_t blocks) {
+  void set_lora(at::Tensor a, at::Tensor bt, at::Tensor ranks, std::vector<int64_t> col_offsets) {
     lora_a = std::move(a);
     lora_bt = std::move(bt);
     lora_ranks = std::move(ranks);
-    lora_blocks = blocks;
+    lora_col_offsets = std::move(col_offsets);
   }
 };
 
@@ -198,7 +198,7 @@ const auto& lora_apply_op() {
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("pagedserve::lora_apply", "")
           .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                      const at::Tensor&, int64_t, at::IntArrayRef, at::IntArrayRef,
+                      const at::Tensor&, at::IntArrayRef, at::IntArrayRef, at::IntArrayRef,
                       const OptString&)>();
   return op;
 }
@@ -234,7 +234,7 @@ at::Tensor linear(const at::Tensor& x, const LinearWeights& w) {
   at::Tensor y = base_linear(x, w);
   if (w.lora_a.has_value() && !t_lora_slots.empty()) {
     const KernelTimer timer;
-    lora_apply_op().call(y, x, *w.lora_a, *w.lora_bt, *w.lora_ranks, w.lora_blocks,
+    lora_apply_op().call(y, x, *w.lora_a, *w.lora_bt, *w.lora_ranks, w.lora_col_offsets,
                          t_lora_bounds, t_lora_slots, std::nullopt);
   }
   return y;

@@ -250,10 +250,11 @@ struct Bf16Weight {
   }
 };
 
-// Rows of y (T, N) += (x (T, K) A_slot^T) Bt_slot, each row with its own slot: the LoRA
-// adapters of a step (engine/lora/layers.py has the layout). A slot's A (R, K) and Bt (R, N)
-// hold `blocks` blocks of R / blocks rows, of which the first ranks[slot] are the adapter's
-// (the rest are zero and skipped).
+// Rows of y (T, N) += (x (T, K) A_slot^T) Bt_slot, each run of rows with its own slot: the
+// LoRA adapters of a step (engine/lora/layers.py has the layout). A slot's A (R, K) and
+// Bt (R, N) hold `blocks` blocks of R / blocks rows, of which the first ranks[slot] are the
+// adapter's (the rest are zero and skipped); block b's rows of Bt are zero outside columns
+// col_offsets[b]..col_offsets[b + 1] (its output slice), which alone are read.
 template <typename T>
 struct LoRARows {
   T* y;
@@ -263,10 +264,14 @@ struct LoRARows {
   const T* a;   // (slots, R, K), contiguous
   const T* bt;  // (slots, R, N), contiguous
   int64_t K, N, R, blocks;
-  const int64_t* ranks;  // per slot
-  const int64_t* rows;   // the rows of y and x to adapt ...
-  const int64_t* slots;  // ... and each one's slot
+  const int64_t* ranks;        // per slot
+  const int64_t* col_offsets;  // blocks + 1
+  // Work items: up to kLoRARowsPerItem consecutive rows from item_rows[i] of one slot.
+  const int64_t* item_rows;
+  const int64_t* item_counts;
+  const int64_t* item_slots;
 };
+constexpr int64_t kLoRARowsPerItem = 4;
 
 // One instruction set's kernels for element type T. The row kernels cover rows
 // begin..end, so the caller's thread pool splits the work.
@@ -276,7 +281,7 @@ struct KernelsFor {
   void (*rms_norm_rows)(const RmsNormRows<T>&, int64_t begin, int64_t end);
   void (*rope_rows)(const RopeRows<T>&, int64_t begin, int64_t end);
   void (*silu_and_mul_rows)(const SiluAndMulRows<T>&, int64_t begin, int64_t end);
-  // LoRARows entries begin..end.
+  // LoRARows work items begin..end.
   void (*lora_rows)(const LoRARows<T>&, int64_t begin, int64_t end);
 };
 

@@ -1,8 +1,10 @@
 // Batched LoRA on the CPU: for each adapted row of a step, y += (x A^T) Bt with its
 // adapter's slot (kernels.h, LoRARows). The shrink is one dot product of the row with each
 // of the adapter's A rows, rounded to the model dtype as torch stores x A^T; the expand
-// accumulates those scalars times Bt's rows in float32, then the sum is rounded to the
-// model dtype and added to y, as torch's `y += (x @ A.T) @ Bt` rounds.
+// accumulates those scalars times Bt's rows (their block's output slice only) in float32,
+// then the sum is rounded to the model dtype and added to y, as torch's
+// `y += (x @ A.T) @ Bt` rounds. A work item is up to kLoRARowsPerItem rows of one adapter,
+// so that each of its weights is read once for all of them.
 //
 // Written once over the instruction set's vector struct (simd_*.h: Vec512, Vec256, or the
 // portable VecGeneric), compiled once per set (kernels.h).
@@ -32,30 +34,42 @@ using Vec = avx2::Vec256;
 using Vec = VecGeneric;
 #endif
 
+// out[r] = x[r] . w for the `rows` rows of x (stride xs): w is read once for all of them.
 template <typename T>
-float dot(const T* x, const T* w, int64_t K) {
+void dots(const T* x, int64_t xs, int rows, const T* w, int64_t K, float* out) {
   constexpr int W = Vec::W;
-  typename Vec::F acc[4] = {Vec::zero(), Vec::zero(), Vec::zero(), Vec::zero()};
+  typename Vec::F acc[kLoRARowsPerItem];
+  for (int r = 0; r < rows; ++r) acc[r] = Vec::zero();
   int64_t k = 0;
-  for (; k + 4 * W <= K; k += 4 * W) {
-    for (int u = 0; u < 4; ++u) {
-      acc[u] = Vec::fmadd(Vec::load(x + k + u * W), Vec::load(w + k + u * W), acc[u]);
-    }
+  for (; k + W <= K; k += W) {
+    const typename Vec::F wv = Vec::load(w + k);
+    for (int r = 0; r < rows; ++r) acc[r] = Vec::fmadd(Vec::load(x + r * xs + k), wv, acc[r]);
   }
-  for (; k + W <= K; k += W) acc[0] = Vec::fmadd(Vec::load(x + k), Vec::load(w + k), acc[0]);
-  float sum = Vec::reduce_add(Vec::add(Vec::add(acc[0], acc[1]), Vec::add(acc[2], acc[3])));
-  for (; k < K; ++k) sum += to_float(x[k]) * to_float(w[k]);
-  return sum;
+  for (int r = 0; r < rows; ++r) {
+    float sum = Vec::reduce_add(acc[r]);
+    for (int64_t kk = k; kk < K; ++kk) sum += to_float(x[r * xs + kk]) * to_float(w[kk]);
+    out[r] = sum;
+  }
 }
 
-// acc[0..N) += s * w[0..N)
+// acc[r][0..n) += s[r] * w[0..n) for the `rows` rows (acc stride as): w read once.
 template <typename T>
-void axpy(float* acc, float s, const T* w, int64_t N) {
+void axpys(float* acc, int64_t as, int rows, const float* s, const T* w, int64_t n) {
   constexpr int W = Vec::W;
-  const typename Vec::F sv = Vec::set1(s);
-  int64_t n = 0;
-  for (; n + W <= N; n += W) Vec::store(acc + n, Vec::fmadd(sv, Vec::load(w + n), Vec::load(acc + n)));
-  for (; n < N; ++n) acc[n] += s * to_float(w[n]);
+  typename Vec::F sv[kLoRARowsPerItem];
+  for (int r = 0; r < rows; ++r) sv[r] = Vec::set1(s[r]);
+  int64_t c = 0;
+  for (; c + W <= n; c += W) {
+    const typename Vec::F wv = Vec::load(w + c);
+    for (int r = 0; r < rows; ++r) {
+      float* dst = acc + r * as + c;
+      Vec::store(dst, Vec::fmadd(sv[r], wv, Vec::load(dst)));
+    }
+  }
+  for (; c < n; ++c) {
+    const float wc = to_float(w[c]);
+    for (int r = 0; r < rows; ++r) acc[r * as + c] += s[r] * wc;
+  }
 }
 
 }  // namespace
@@ -63,28 +77,31 @@ void axpy(float* acc, float s, const T* w, int64_t N) {
 template <typename T>
 void lora_rows(const LoRARows<T>& p, int64_t begin, int64_t end) {
   const int64_t block = p.R / p.blocks;
-  thread_local std::vector<float> shrink, acc;
-  shrink.resize(p.R);
-  acc.resize(p.N);
+  thread_local std::vector<float> acc;
+  acc.resize(p.N * kLoRARowsPerItem);
   for (int64_t i = begin; i < end; ++i) {
-    const int64_t row = p.rows[i], slot = p.slots[i], rank = p.ranks[slot];
-    const T* x = p.x + row * p.x_stride;
+    const int64_t row0 = p.item_rows[i], slot = p.item_slots[i], rank = p.ranks[slot];
+    const int rows = static_cast<int>(p.item_counts[i]);
+    const T* x = p.x + row0 * p.x_stride;
     const T* a = p.a + slot * p.R * p.K;
     const T* bt = p.bt + slot * p.R * p.N;
-    std::fill(acc.begin(), acc.end(), 0.0f);
+    std::fill(acc.begin(), acc.begin() + rows * p.N, 0.0f);
+    float s[kLoRARowsPerItem];
     for (int64_t b = 0; b < p.blocks; ++b) {
+      const int64_t c0 = p.col_offsets[b], cols = p.col_offsets[b + 1] - c0;
       for (int64_t j = b * block; j < b * block + rank; ++j) {
-        shrink[j] = to_float(static_cast<T>(dot(x, a + j * p.K, p.K)));
+        dots(x, p.x_stride, rows, a + j * p.K, p.K, s);
+        // x A^T as torch stores it: rounded to the model dtype.
+        for (int r = 0; r < rows; ++r) s[r] = to_float(static_cast<T>(s[r]));
+        axpys(acc.data() + c0, p.N, rows, s, bt + j * p.N + c0, cols);
       }
     }
-    for (int64_t b = 0; b < p.blocks; ++b) {
-      for (int64_t j = b * block; j < b * block + rank; ++j) {
-        axpy(acc.data(), shrink[j], bt + j * p.N, p.N);
+    for (int r = 0; r < rows; ++r) {
+      T* y = p.y + (row0 + r) * p.y_stride;
+      const float* sum = acc.data() + r * p.N;
+      for (int64_t n = 0; n < p.N; ++n) {
+        y[n] = static_cast<T>(to_float(y[n]) + to_float(static_cast<T>(sum[n])));
       }
-    }
-    T* y = p.y + row * p.y_stride;
-    for (int64_t n = 0; n < p.N; ++n) {
-      y[n] = static_cast<T>(to_float(y[n]) + to_float(static_cast<T>(acc[n])));
     }
   }
 }

@@ -22,11 +22,13 @@ constexpr int64_t kMinMacsPerTask = 1 << 16;
 
 // y (T, N) += (x (T, K) a[slot]^T) bt[slot] over the rows of each segment: rows
 // bounds[2i]..bounds[2i + 1] use slots[i]. a is (slots, R, K) and bt (slots, R, N), in
-// `blocks` blocks of R / blocks rows of which the first ranks[slot] are used.
+// `blocks` blocks of R / blocks rows of which the first ranks[slot] are used, block b's
+// covering output columns col_offsets[b]..col_offsets[b + 1].
 void lora_apply(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a,
-                const at::Tensor& bt, const at::Tensor& ranks, int64_t blocks,
+                const at::Tensor& bt, const at::Tensor& ranks, at::IntArrayRef col_offsets,
                 at::IntArrayRef bounds, at::IntArrayRef slots,
                 const std::optional<std::string>& isa) {
+  const int64_t blocks = static_cast<int64_t>(col_offsets.size()) - 1;
   TORCH_CHECK(y.device().is_cpu() && y.dim() == 2 && x.dim() == 2 && y.size(0) == x.size(0) &&
                   y.stride(1) == 1 && x.stride(1) == 1,
               "lora_apply: y and x must be CPU (rows, features) tensors with contiguous rows");
@@ -42,9 +44,13 @@ void lora_apply(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a,
               "lora_apply: ranks must hold one int64 per slot");
   const int64_t R = a.size(1), K = a.size(2), N = bt.size(2), num_slots = a.size(0);
   TORCH_CHECK(blocks >= 1 && R % blocks == 0, "lora_apply: R must be whole blocks");
+  TORCH_CHECK(col_offsets[0] == 0 && col_offsets[blocks] <= N, "lora_apply: bad col_offsets");
+  for (int64_t b = 0; b < blocks; ++b) {
+    TORCH_CHECK(col_offsets[b] <= col_offsets[b + 1], "lora_apply: bad col_offsets");
+  }
   TORCH_CHECK(bounds.size() == 2 * slots.size(), "lora_apply: two bounds per slot entry");
   const int64_t* rank = ranks.data_ptr<int64_t>();
-  std::vector<int64_t> rows, row_slots;
+  std::vector<int64_t> item_rows, item_counts, item_slots;
   int64_t max_rank = 0;
   for (size_t i = 0; i < slots.size(); ++i) {
     const int64_t slot = slots[i];
@@ -54,21 +60,24 @@ void lora_apply(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a,
                     bounds[2 * i + 1] <= y.size(0),
                 "lora_apply: segment out of range");
     max_rank = std::max(max_rank, rank[slot]);
-    for (int64_t r = bounds[2 * i]; r < bounds[2 * i + 1]; ++r) {
-      rows.push_back(r);
-      row_slots.push_back(slot);
+    for (int64_t r = bounds[2 * i]; r < bounds[2 * i + 1]; r += kLoRARowsPerItem) {
+      item_rows.push_back(r);
+      item_counts.push_back(std::min(kLoRARowsPerItem, bounds[2 * i + 1] - r));
+      item_slots.push_back(slot);
     }
   }
-  if (rows.empty()) return;
-  const int64_t macs = std::max<int64_t>(1, max_rank * blocks * (K + N));
+  if (item_rows.empty()) return;
+  const int64_t macs = std::max<int64_t>(1, kLoRARowsPerItem * max_rank * blocks * (K + N));
   const int64_t grain = std::max<int64_t>(1, kMinMacsPerTask / macs);
   dispatch_dtype(y.scalar_type(), "lora_apply", [&](auto tag) {
     using T = decltype(tag);
-    const LoRARows<T> args{y.data_ptr<T>(),  y.stride(0), x.data_ptr<T>(), x.stride(0),
-                           a.data_ptr<T>(),  bt.data_ptr<T>(), K, N, R, blocks, rank,
-                           rows.data(),      row_slots.data()};
+    const LoRARows<T> args{y.data_ptr<T>(),    y.stride(0),       x.data_ptr<T>(),
+                           x.stride(0),        a.data_ptr<T>(),   bt.data_ptr<T>(),
+                           K,                  N,                 R,
+                           blocks,             rank,              col_offsets.data(),
+                           item_rows.data(),   item_counts.data(), item_slots.data()};
     const auto kernel = kernels_for(isa).of<T>().lora_rows;
-    at::parallel_for(0, static_cast<int64_t>(rows.size()), grain,
+    at::parallel_for(0, static_cast<int64_t>(item_rows.size()), grain,
                      [&](int64_t begin, int64_t end) { kernel(args, begin, end); });
   });
 }
@@ -77,7 +86,7 @@ void lora_apply(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a,
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def(
-      "lora_apply(Tensor(a!) y, Tensor x, Tensor a, Tensor bt, Tensor ranks, int blocks, "
+      "lora_apply(Tensor(a!) y, Tensor x, Tensor a, Tensor bt, Tensor ranks, int[] col_offsets, "
       "int[] bounds, int[] slots, str? isa=None) -> ()");
 }
 
