@@ -35,6 +35,7 @@ EXPOSED_GAUGES = frozenset(
         "vllm:num_requests_waiting",
         "vllm:kv_cache_usage_perc",
         "vllm:cache_config_info",
+        "vllm:lora_requests_info",
     }
 )
 EXPOSED_COUNTERS = frozenset(
