@@ -144,8 +144,8 @@ class EngineCore:
         if request.sampling_params.n != 1:
             raise ValueError("EngineCore takes n=1 requests; fan out with SamplingParams.for_child")
         check_task(self.config.model.pooler, request.pooling_params)
-        if request.lora is not None:
-            self._lora_manager(request.lora.lora_name)
+        if request.lora is not None:  # in host memory from now until the request ends
+            self._lora_manager(request.lora.lora_name).add(request.lora)
         constraint = request.sampling_params.structured_outputs
         if constraint is not None:
             if self.grammars is None:
@@ -169,7 +169,12 @@ class EngineCore:
         manager = getattr(self.runner, "lora", None)
         if manager is None:
             raise LoRAError(f"LoRA adapter {name!r}: this server runs without --enable-lora")
+        manager.in_use = self._loras_in_use
         return manager
+
+    def _loras_in_use(self) -> set[int]:
+        requests = self.scheduler.requests.values()
+        return {r.lora.lora_int_id for r in requests if r.lora is not None}
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
         """Ends the requests and frees their blocks; unknown or finished ids are ignored."""

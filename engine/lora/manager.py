@@ -4,14 +4,17 @@ Adapters are read (adapter.py) into a host cache of --max-cpu-loras, least recen
 out first, and copied into one of --max-loras device slots when a step needs them; a slot
 whose adapter the step does not use is reused, least recently used first. The scheduler
 never runs more adapters at once than there are slots (Scheduler's lora limit), so a
-step always finds room. `add` is what load_lora_adapter and --lora-modules call: it reads
-and checks the adapter now, so a bad one is refused up front; a request's adapter that
-fell out of the host cache is read again from its path.
+step always finds room. `add` is what load_lora_adapter, --lora-modules and each new
+request call: it reads and checks the adapter now (a bad one is refused up front, and a
+request's adapter that fell out of the host cache is read again, or the request refused,
+when it arrives); the adapters of queued and running requests are never dropped, so a
+step never reads one from disk.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 from engine.lora.adapter import LoRAAdapter, layer_slices, load_adapter
 from engine.lora.layers import LoRASlots, LoRAStep
@@ -61,32 +64,41 @@ class LoRAManager:
         self._slots: list[int | None] = [None] * config.max_loras  # lora_int_id per slot
         self._slot_use: list[int] = [0] * config.max_loras
         self._uses = 0
+        # The adapters queued or running requests use (set by the engine core): they stay
+        # in host memory, so that a step never has to read one from disk.
+        self.in_use: Callable[[], set[int]] = set
 
     def add(self, lora: LoRARequest) -> LoRAAdapter:
         """Reads and checks the adapter into the host cache (LoRAError if it cannot serve);
         one already there is kept as it is."""
         adapter = self._cpu.get(lora.lora_int_id)
-        if adapter is not None and adapter.request == lora:
-            self._cpu.move_to_end(lora.lora_int_id)
-            return adapter
-        adapter = load_adapter(lora, self.arch, self.config.max_lora_rank)
-        self._cpu[lora.lora_int_id] = adapter
+        if adapter is None or adapter.request != lora:
+            adapter = load_adapter(lora, self.arch, self.config.max_lora_rank)
+            self._cpu[lora.lora_int_id] = adapter
+            # A new adapter under a reused id: the slot's weights are the old one's.
+            self._slots = [None if s == lora.lora_int_id else s for s in self._slots]
         self._cpu.move_to_end(lora.lora_int_id)
-        # A new adapter under a reused id: the slot's weights are the old one's.
-        self._slots = [None if s == lora.lora_int_id else s for s in self._slots]
-        # Over the limit: the least recently used out, but not one a slot holds (its
-        # requests may still be running; max_cpu_loras >= max_loras leaves one to drop).
+        if len(self._cpu) <= self.config.max_cpu_loras:
+            return adapter
+        # Over the limit: the least recently used out, but not one a slot holds or a
+        # request uses (while more are in use than the limit, host memory holds them all).
+        keep = self.in_use() | {s for s in self._slots if s is not None} | {lora.lora_int_id}
         for lora_id in list(self._cpu):
             if len(self._cpu) <= self.config.max_cpu_loras:
                 break
-            if lora_id not in self._slots and lora_id != lora.lora_int_id:
+            if lora_id not in keep:
                 del self._cpu[lora_id]
         return adapter
 
     def remove(self, lora_int_id: int) -> bool:
-        """Drops the adapter from the host cache and its slot; whether it was there."""
-        self._slots = [None if s == lora_int_id else s for s in self._slots]
-        return self._cpu.pop(lora_int_id, None) is not None
+        """Drops the adapter from the host cache and its slot, unless requests still use it
+        (they finish with it; it leaves the cache later, as any other); whether it was
+        loaded."""
+        loaded = lora_int_id in self._cpu
+        if lora_int_id not in self.in_use():
+            self._slots = [None if s == lora_int_id else s for s in self._slots]
+            self._cpu.pop(lora_int_id, None)
+        return loaded
 
     def resident(self) -> list[int]:
         """The ids in the host cache, least recently used first."""

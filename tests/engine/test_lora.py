@@ -223,3 +223,24 @@ def test_mixed_adapters_on_a_gpu(case: LoRACase) -> None:
     )
     jobs = [(p, name) for p in range(3) for name in [*ADAPTERS, None]]
     assert run(llm, case, jobs) == [case.reference[job] for job in jobs]
+
+
+def test_host_cache_keeps_what_requests_use(case: LoRACase, tmp_path: Path) -> None:
+    """One adapter in host memory: loading another drops it, a request for it reads it
+    again when it arrives, and one whose directory is gone is refused then, not mid-step;
+    an adapter removed while a request uses it stays until that request ends."""
+    import shutil
+
+    llm = tiny_llm(case.base, enable_lora=True, max_lora_rank=8, max_cpu_loras=1)
+    manager = llm.core.runner.lora
+    llm.core.add_lora(case.loras["qv"])
+    llm.core.add_lora(case.loras["all"])
+    assert manager.resident() == [case.loras["all"].lora_int_id]
+    assert run(llm, case, [(1, "qv")]) == [case.reference[(1, "qv")]]
+    moved = LoRARequest("moved", 11, shutil.copytree(case.loras["mlp"].lora_path, tmp_path / "m"))
+    llm.core.add_lora(moved)
+    llm.core.add_lora(case.loras["qv"])  # drops "moved" from host memory
+    shutil.rmtree(moved.lora_path)
+    with pytest.raises(LoRAError, match=r"no adapter_config\.json"):
+        llm.generate(case.prompts[:1], PARAMS, lora_request=moved)
+    assert not llm.core.has_unfinished_requests()
