@@ -114,6 +114,14 @@ def make_config(kind: str, vocab_size: int = VOCAB, max_positions: int = 512):
         return Qwen2Config(**common)
     if kind == "mistral":
         return MistralConfig(**common, sliding_window=None)
+    # Sliding windows of 12 tokens, shorter than most test prompts: every layer's (Mistral),
+    # from layer 1 on (Qwen2's max_window_layers).
+    if kind == "mistral-swa":
+        return MistralConfig(**common, sliding_window=12)
+    if kind == "qwen2-swa":
+        return Qwen2Config(
+            **common, use_sliding_window=True, sliding_window=12, max_window_layers=1
+        )
     if kind == "qwen3":
         return Qwen3Config(**common, head_dim=16)
     # Mixture-of-experts: 8 experts of 32, top-2 (overrides set norm_topk_prob,
@@ -149,9 +157,9 @@ def make_tiny_model(
     kind: str, path: Path, seed: int = 0, byte_level: bool = False, **overrides: object
 ) -> Path:
     """Saves a random-weight model of `kind` (llama, llama3-rope, qwen2, qwen3, qwen3_moe,
-    mixtral, phi3, phi3-longrope) to `path`, with the word-level tokenizer, or with the
-    byte-level one when `byte_level`; `overrides` change its config (e.g. hidden_size=256,
-    head_dim=64)."""
+    mixtral, phi3, phi3-longrope, mistral-swa, qwen2-swa) to `path`, with the
+    word-level tokenizer, or with the byte-level one when `byte_level`; `overrides` change
+    its config (e.g. hidden_size=256, head_dim=64)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)

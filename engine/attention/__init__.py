@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from engine.attention.backend import AttentionBackend, BackendChoice
@@ -51,11 +53,17 @@ def resolve_backend(
 
 
 def create_backend(
-    name: str, kv_cache: torch.Tensor, num_heads: int, scale: float
+    name: str,
+    kv_cache: torch.Tensor,
+    num_heads: int,
+    scale: float,
+    windows: Sequence[int | None] = (),
 ) -> AttentionBackend:
+    """`windows`: each layer's sliding window in tokens (None: none); empty: no layer has
+    one."""
     resolved = resolve_backend(name, kv_cache.device, kv_cache.dtype).name
     if resolved == "flashinfer":
-        return FlashInferAttentionBackend(kv_cache, num_heads, scale)
+        return FlashInferAttentionBackend(kv_cache, num_heads, scale, windows=windows)
     if resolved == "cpu-native":
-        return NativeCpuAttentionBackend(kv_cache, num_heads, scale)
-    return TorchAttentionBackend(kv_cache, num_heads, scale)
+        return NativeCpuAttentionBackend(kv_cache, num_heads, scale, windows)
+    return TorchAttentionBackend(kv_cache, num_heads, scale, windows)

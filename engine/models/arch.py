@@ -26,7 +26,9 @@ class ModelArch:
     """A Llama-family decoder: RMSNorm, RoPE, GQA, SwiGLU.
 
     `qkv_bias` covers Qwen2 and `qk_norm` covers Qwen3; the rest is shared with Llama 2/3,
-    SmolLM2, TinyLlama and Mistral (without sliding window). Qwen3-MoE (Qwen3's attention)
+    SmolLM2, TinyLlama and Mistral. The layers in `sliding_layers` attend to the last
+    `sliding_window` tokens only (Mistral's and Phi-3's every layer, Qwen2's from
+    max_window_layers on). Qwen3-MoE (Qwen3's attention)
     and Mixtral (Mistral's) replace the MLP of the layers in `moe_layers` by `num_experts`
     experts of `moe_intermediate_size`, `num_experts_per_tok` of them per token. Phi-3
     (and Phi-4-mini, a phi3 model) fuses the projections in its checkpoints the way our
@@ -49,9 +51,10 @@ class ModelArch:
     qkv_bias: bool = False
     qk_norm: bool = False
     eos_token_ids: tuple[int, ...] = ()
-    # Attention beyond this many tokens back would need sliding-window masking, which we do
-    # not implement: the engine caps max_model_len at it instead.
+    # A query at position p of a layer in sliding_layers sees keys p - sliding_window + 1..p
+    # (transformers' kv_idx > q_idx - sliding_window).
     sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -67,6 +70,25 @@ class ModelArch:
         return bool(self.moe_layers)
 
     @property
+    def attention_scale(self) -> float:
+        return self.head_dim**-0.5
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window in tokens, None for a layer that sees everything."""
+        sliding = set(self.sliding_layers)
+        return tuple(self.sliding_window if i in sliding else None for i in range(self.num_layers))
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window every layer attends within, where all do (None otherwise): the KV
+        cache manager then frees the blocks that fell out of it. A model that mixes sliding
+        and full layers keeps all its blocks."""
+        if self.sliding_window is None or len(self.sliding_layers) < self.num_layers:
+            return None
+        return self.sliding_window
+
+    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 
@@ -78,8 +100,6 @@ class ModelArch:
         """(the longest sequence we compute as transformers does, why it is shorter than
         max_position_embeddings or "" where it is not): the engine caps max_model_len at it."""
         limits = []
-        if self.sliding_window is not None:
-            limits.append((self.sliding_window, ", its sliding window"))
         if self.rope_scaling.get("rope_type") == "longrope":
             # transformers computes a longer sequence with the long factors at every
             # position, its cached ones included: a paged KV cache would have to recompute.
@@ -132,8 +152,8 @@ class ModelArch:
             qkv_bias=qkv_bias,
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             eos_token_ids=eos_token_ids,
-            sliding_window=_sliding_window(config),
             rotary_dim=_rotary_dim(config, rope, head_dim),
+            **_sliding_fields(config),
             **_moe_fields(config),
         )
 
@@ -175,14 +195,21 @@ def _rotary_dim(config: Any, rope: dict[str, Any], head_dim: int) -> int | None:
     return dim
 
 
-def _sliding_window(config: Any) -> int | None:
+def _sliding_fields(config: Any) -> dict[str, Any]:
+    """The sliding window and the layers it applies to, as transformers' modeling code reads
+    them: every layer's, unless the config lists `layer_types` (Qwen2 and Qwen3 from
+    max_window_layers on); none where a Qwen config does not set
+    use_sliding_window."""
     window = getattr(config, "sliding_window", None)
-    if window is None:
-        return None
     qwen = config.model_type in ("qwen2", "qwen3", "qwen3_moe")
-    if qwen and not getattr(config, "use_sliding_window", False):
-        return None
-    return int(window)
+    if window is None or (qwen and not getattr(config, "use_sliding_window", False)):
+        return {}
+    types = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
+    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise ValueError(f"unsupported layer types {sorted(unknown)}")
+    sliding = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+    return {"sliding_window": int(window), "sliding_layers": sliding}
 
 
 def _moe_fields(config: Any) -> dict[str, Any]:

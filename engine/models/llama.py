@@ -1,6 +1,6 @@
 """A Llama-family decoder written for paged attention.
 
-One class covers Llama 2/3, SmolLM2, TinyLlama, Mistral (no sliding window), Qwen2 (qkv
+One class covers Llama 2/3, SmolLM2, TinyLlama, Mistral (sliding window), Qwen2 (qkv
 bias), Qwen3 (q/k RMSNorm), Phi-3 (longrope, partial rotary embeddings), and the
 mixture-of-experts Qwen3-MoE and Mixtral (sparse MLPs: engine/models/moe.py). Inputs are a
 flat batch of tokens from many requests; the attention backend, passed in explicitly, knows
@@ -45,6 +45,7 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads = arch.num_heads, arch.num_kv_heads
         self.head_dim = arch.head_dim
+        self.window = arch.layer_windows[layer_idx]  # the backend applies it; fused layers too
         self.q_size, self.kv_size = arch.q_size, arch.kv_size
         self.qkv_proj = Linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size, arch.qkv_bias)
         self.o_proj = Linear(arch.q_size, arch.hidden_size)

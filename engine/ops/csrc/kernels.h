@@ -59,6 +59,9 @@ struct Problem {
   // The states of the long decodes' parts (WorkItem::part), which attention_ops.cpp
   // merges: per (split decode, head, part), laid out like `state`.
   float* parts = nullptr;
+  // A sliding window of this many keys (0: none): the query at position p sees only keys
+  // p - window + 1..p, as transformers' sliding_window (kv_idx > q_idx - window).
+  int64_t window = 0;
 };
 
 // Parts a long decode's keys may be split into (WorkItem::part).
