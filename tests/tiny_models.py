@@ -73,6 +73,7 @@ def save_byte_tokenizer(path: Path) -> None:
 
 def make_config(kind: str, vocab_size: int = VOCAB, max_positions: int = 512):
     from transformers import (
+        Gemma3TextConfig,
         LlamaConfig,
         MistralConfig,
         MixtralConfig,
@@ -122,6 +123,22 @@ def make_config(kind: str, vocab_size: int = VOCAB, max_positions: int = 512):
         return Qwen2Config(
             **common, use_sliding_window=True, sliding_window=12, max_window_layers=1
         )
+    if kind in ("gemma3", "gemma3_text"):
+        # Local layers 0 and 1 (window 12, their own rope theta), global layer 2 (linear
+        # rope scaling); a scale other than head_dim's, and a final logit cap.
+        common.update(num_hidden_layers=3, tie_word_embeddings=True)
+        return Gemma3TextConfig(
+            **common,
+            head_dim=16,
+            sliding_window=12,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            query_pre_attn_scalar=24,
+            final_logit_softcapping=5.0,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+            },
+        )
     if kind == "qwen3":
         return Qwen3Config(**common, head_dim=16)
     # Mixture-of-experts: 8 experts of 32, top-2 (overrides set norm_topk_prob,
@@ -157,7 +174,7 @@ def make_tiny_model(
     kind: str, path: Path, seed: int = 0, byte_level: bool = False, **overrides: object
 ) -> Path:
     """Saves a random-weight model of `kind` (llama, llama3-rope, qwen2, qwen3, qwen3_moe,
-    mixtral, phi3, phi3-longrope, mistral-swa, qwen2-swa) to `path`, with the
+    mixtral, phi3, phi3-longrope, mistral-swa, qwen2-swa, gemma3) to `path`, with the
     word-level tokenizer, or with the byte-level one when `byte_level`; `overrides` change
     its config (e.g. hidden_size=256, head_dim=64)."""
     from transformers import AutoModelForCausalLM
@@ -167,6 +184,11 @@ def make_tiny_model(
     config = make_config(kind, *((BYTE_VOCAB, 2048) if byte_level else (VOCAB, 512)))
     config.update(overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if kind.startswith("gemma3"):  # its norms start at 0, a scale of 1: make each one count
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0.0, 0.2)
     model.save_pretrained(path)
     (save_byte_tokenizer if byte_level else save_word_tokenizer)(path)
     return path

@@ -16,6 +16,7 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "Phi3ForCausalLM": "phi3",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES.values())
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
@@ -28,11 +29,12 @@ class ModelArch:
     `qkv_bias` covers Qwen2 and `qk_norm` covers Qwen3; the rest is shared with Llama 2/3,
     SmolLM2, TinyLlama and Mistral. The layers in `sliding_layers` attend to the last
     `sliding_window` tokens only (Mistral's and Phi-3's every layer, Qwen2's from
-    max_window_layers on). Qwen3-MoE (Qwen3's attention)
+    max_window_layers on, Gemma 3's local ones). Qwen3-MoE (Qwen3's attention)
     and Mixtral (Mistral's) replace the MLP of the layers in `moe_layers` by `num_experts`
     experts of `moe_intermediate_size`, `num_experts_per_tok` of them per token. Phi-3
     (and Phi-4-mini, a phi3 model) fuses the projections in its checkpoints the way our
     layers are fused, and adds longrope and partial rotary embeddings (`rotary_dim`).
+    Gemma 3 (engine/models/gemma3.py) sets the fields from `hidden_act` on.
     """
 
     model_type: str
@@ -64,6 +66,13 @@ class ModelArch:
     # Rotary embeddings turn the first `rotary_dim` dims of each head and pass the rest
     # through (Phi-4-mini: 3/4 of them); None: the whole head.
     rotary_dim: int | None = None
+    # Gemma 3: the MLP's activation ("silu" or "gelu_tanh"), the attention scale's
+    # query_pre_attn_scalar (None: head_dim), the sliding layers' own rope theta (None:
+    # rope_theta), and the final logits' soft cap.
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: float | None = None
+    local_rope_theta: float | None = None
+    final_logit_softcapping: float | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -71,7 +80,7 @@ class ModelArch:
 
     @property
     def attention_scale(self) -> float:
-        return self.head_dim**-0.5
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
@@ -128,7 +137,7 @@ class ModelArch:
         rope["rope_type"] = rope_type
         if rope_type == "longrope":
             rope.update(_longrope_fields(config, rope))
-        if getattr(config, "hidden_act", "silu") != "silu":
+        if model_type != "gemma3_text" and getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported activation {config.hidden_act!r}; only silu")
         if getattr(config, "mlp_bias", False):
             raise ValueError("MLP biases are not supported")
@@ -150,17 +159,21 @@ class ModelArch:
             max_position_embeddings=getattr(config, "max_position_embeddings", 2048),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             eos_token_ids=eos_token_ids,
             rotary_dim=_rotary_dim(config, rope, head_dim),
             **_sliding_fields(config),
             **_moe_fields(config),
+            **_gemma3_fields(config),
         )
 
 
 def _rope_parameters(config: Any) -> dict[str, Any]:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-    return dict(params or {})
+    params = dict(params or {})
+    if "full_attention" in params:  # per layer type (Gemma 3): the full layers' rope
+        return dict(params["full_attention"])
+    return params
 
 
 def _longrope_fields(config: Any, rope: dict[str, Any]) -> dict[str, Any]:
@@ -198,7 +211,7 @@ def _rotary_dim(config: Any, rope: dict[str, Any], head_dim: int) -> int | None:
 def _sliding_fields(config: Any) -> dict[str, Any]:
     """The sliding window and the layers it applies to, as transformers' modeling code reads
     them: every layer's, unless the config lists `layer_types` (Qwen2 and Qwen3 from
-    max_window_layers on); none where a Qwen config does not set
+    max_window_layers on, Gemma 3's local layers); none where a Qwen config does not set
     use_sliding_window."""
     window = getattr(config, "sliding_window", None)
     qwen = config.model_type in ("qwen2", "qwen3", "qwen3_moe")
@@ -210,6 +223,28 @@ def _sliding_fields(config: Any) -> dict[str, Any]:
         raise ValueError(f"unsupported layer types {sorted(unknown)}")
     sliding = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
     return {"sliding_window": int(window), "sliding_layers": sliding}
+
+
+def _gemma3_fields(config: Any) -> dict[str, Any]:
+    """Gemma 3's departures from Llama (see ModelArch); raises ValueError for options of
+    its config that transformers' Gemma 3 runs and pagedserve does not."""
+    if config.model_type != "gemma3_text":
+        return {}
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        raise ValueError("attention logit soft-capping (attn_logit_softcapping) is not supported")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError("bidirectional attention (use_bidirectional_attention) is not supported")
+    if config.hidden_activation != "gelu_pytorch_tanh":
+        raise ValueError(f"unsupported activation {config.hidden_activation!r}")
+    local = dict(config.rope_parameters.get("sliding_attention") or {})
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"unsupported rope type {local['rope_type']!r} for the sliding layers")
+    return dict(
+        hidden_act="gelu_tanh",
+        query_pre_attn_scalar=float(config.query_pre_attn_scalar),
+        local_rope_theta=float(local["rope_theta"]),
+        final_logit_softcapping=config.final_logit_softcapping,
+    )
 
 
 def _moe_fields(config: Any) -> dict[str, Any]:

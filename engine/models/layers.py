@@ -268,14 +268,22 @@ class RotaryEmbedding(nn.Module):
         return table
 
 
-class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused into one layer."""
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """(..., 2 * I) -> (..., I): gelu(first half, tanh approximation) * second half."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused into one layer; with
+    `act="gelu_tanh"`, GeGLU (Gemma 3): gelu in place of silu."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu") -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size)
         self.down_proj = Linear(intermediate_size, hidden_size)
+        self.act_and_mul = gelu_tanh_and_mul if act == "gelu_tanh" else native_ops.silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(native_ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))

@@ -103,8 +103,15 @@ class DecoderModel(nn.Module):
     """forward: token ids and positions -> final hidden states; compute_logits on a subset.
 
     Without `lm_head` (an embedding model: its hidden states are the output) there are no
-    logits to compute, and no head weight, tied or not.
+    logits to compute, and no head weight, tied or not. A subclass with other layers
+    (gemma3.py) overrides `make_layer`, and sets `fuses_layers` False where the native layer
+    op (fused_layers.py) does not compute them.
     """
+
+    fuses_layers = True
+
+    def make_layer(self, arch: ModelArch, layer_idx: int) -> nn.Module:
+        return DecoderLayer(arch, layer_idx)
 
     def __init__(self, arch: ModelArch, lm_head: bool = True) -> None:
         super().__init__()
@@ -116,7 +123,7 @@ class DecoderModel(nn.Module):
         self.rotary = RotaryEmbedding(
             arch.head_dim, arch.rope_theta, arch.rope_scaling, arch.rotary_dim
         )
-        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = (
             None
@@ -172,7 +179,7 @@ class DecoderModel(nn.Module):
             if layer.weight is None or self.quantized_head is not None:
                 self.dense_head = layer
         # The native layer op runs dense MLPs only.
-        if fused_layers_available(self.norm.weight) and not self.arch.is_moe:
+        if fused_layers_available(self.norm.weight) and not self.arch.is_moe and self.fuses_layers:
             self.fused_layers = FusedLayers([layer_weights(layer) for layer in self.layers])
             if dense_copy:
                 self.fused_dense_layers = FusedLayers(

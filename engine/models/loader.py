@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from engine.config import QuantConfig
 from engine.models.arch import ModelArch
+from engine.models.gemma3 import Gemma3Model, is_gemma3_norm
 from engine.models.gguf_weights import iter_gguf
 from engine.models.hf_config import (
     eos_token_ids,
@@ -63,7 +64,8 @@ def load_model(
         quant.method == "gguf" or not any(folder.glob("*.safetensors"))
     )
     check_weights(arch, quant, use_gguf)
-    decoder = DecoderModel(arch, lm_head).to(dtype)
+    model_class = Gemma3Model if arch.model_type == "gemma3_text" else DecoderModel
+    decoder = model_class(arch, lm_head).to(dtype)
     tensors = (
         iter_gguf(gguf, arch, keep_quantized=quant.method == "gguf")
         if use_gguf and gguf is not None
@@ -81,8 +83,8 @@ def load_model(
 
 # llama.cpp architectures whose GGUF tensors iter_gguf does not map: Phi-3's files fuse the
 # attention's and the MLP's projections (attn_qkv, a double-height ffn_up) and hold longrope's
-# factors as tensors.
-_GGUF_UNMAPPED = ("phi3",)
+# factors as tensors; Gemma 3's have norms iter_gguf does not name.
+_GGUF_UNMAPPED = ("phi3", "gemma3_text")
 
 
 def check_weights(arch: ModelArch, quant: QuantConfig, use_gguf: bool) -> None:
@@ -175,6 +177,9 @@ class WeightLoader:
         dest = param.data if rows is None else param.data[rows[0] : rows[1]]
         if dest.shape != tensor.shape:
             raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+        if self.arch.model_type == "gemma3_text" and is_gemma3_norm(name):
+            assert isinstance(tensor, torch.Tensor)
+            tensor = tensor.float() + 1.0  # Gemma 3's norms scale by (1 + weight)
         if isinstance(tensor, QuantizedWeight):
             self.shards.setdefault(target, []).append((0 if rows is None else rows[0], tensor))
         else:
