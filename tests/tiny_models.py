@@ -74,6 +74,7 @@ def save_byte_tokenizer(path: Path) -> None:
 def make_config(kind: str, vocab_size: int = VOCAB, max_positions: int = 512):
     from transformers import (
         Gemma3TextConfig,
+        GptOssConfig,
         LlamaConfig,
         MistralConfig,
         MixtralConfig,
@@ -141,6 +142,26 @@ def make_config(kind: str, vocab_size: int = VOCAB, max_positions: int = 512):
         )
     if kind == "qwen3":
         return Qwen3Config(**common, head_dim=16)
+    if kind == "gpt_oss":
+        # Layer 0 windowed (12 tokens), layer 1 full; 4 experts of 32, top-2; YaRN over an
+        # original context of 64 (8 of the 16 dims interpolated or blended).
+        common["intermediate_size"] = 32
+        return GptOssConfig(
+            **common,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=12,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 64,
+            },
+        )
     # Mixture-of-experts: 8 experts of 32, top-2 (overrides set norm_topk_prob,
     # mlp_only_layers or decoder_sparse_step).
     if kind == "qwen3_moe":
@@ -174,7 +195,7 @@ def make_tiny_model(
     kind: str, path: Path, seed: int = 0, byte_level: bool = False, **overrides: object
 ) -> Path:
     """Saves a random-weight model of `kind` (llama, llama3-rope, qwen2, qwen3, qwen3_moe,
-    mixtral, phi3, phi3-longrope, mistral-swa, qwen2-swa, gemma3) to `path`, with the
+    mixtral, phi3, phi3-longrope, mistral-swa, qwen2-swa, gemma3, gpt_oss) to `path`, with the
     word-level tokenizer, or with the byte-level one when `byte_level`; `overrides` change
     its config (e.g. hidden_size=256, head_dim=64)."""
     from transformers import AutoModelForCausalLM
@@ -184,11 +205,14 @@ def make_tiny_model(
     config = make_config(kind, *((BYTE_VOCAB, 2048) if byte_level else (VOCAB, 512)))
     config.update(overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if kind.startswith("gemma3"):  # its norms start at 0, a scale of 1: make each one count
+    # Gemma 3's norms start at 0 (a scale of 1), gpt-oss's sinks and biases may: make each
+    # one count.
+    starts_plain = ("norm.weight",) if kind.startswith("gemma3") else ("sinks", "bias")
+    if kind.startswith(("gemma3", "gpt_oss")):
         with torch.no_grad():
             for name, param in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.normal_(0.0, 0.2)
+                if name.endswith(starts_plain):
+                    param.normal_(0.0, 0.5 if name.endswith("sinks") else 0.2)
     model.save_pretrained(path)
     (save_byte_tokenizer if byte_level else save_word_tokenizer)(path)
     return path

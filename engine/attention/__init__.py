@@ -24,12 +24,20 @@ BACKENDS = ("auto", "torch", "cpu-native", "flashinfer")
 
 
 def resolve_backend(
-    name: str, device: torch.device | str, dtype: torch.dtype | None = None
+    name: str, device: torch.device | str, dtype: torch.dtype | None = None, sinks: bool = False
 ) -> BackendChoice:
     """The concrete backend for `name` on `device` and why; raises ValueError when `name`
-    cannot run there (with the reason). May import flashinfer or load the native kernels."""
+    cannot run there (with the reason). May import flashinfer or load the native kernels.
+    With `sinks` (a model with attention sinks, gpt-oss), only the torch backend runs."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {BACKENDS}")
+    if sinks and name == "auto":
+        return BackendChoice("torch", "auto: attention sinks run on the torch backend only")
+    if sinks and name != "torch":
+        raise ValueError(
+            f"attention backend {name!r} does not implement attention sinks (gpt-oss); "
+            "use --attention-backend torch"
+        )
     on_cpu = torch.device(device).type == "cpu"
     if name == "flashinfer" or (name == "auto" and not on_cpu):
         return select_gpu_backend(name, device, dtype)
@@ -58,10 +66,14 @@ def create_backend(
     num_heads: int,
     scale: float,
     windows: Sequence[int | None] = (),
+    sinks: Sequence[torch.Tensor] = (),
 ) -> AttentionBackend:
     """`windows`: each layer's sliding window in tokens (None: none); empty: no layer has
-    one."""
-    resolved = resolve_backend(name, kv_cache.device, kv_cache.dtype).name
+    one. `sinks`: each layer's attention sinks (num_heads,), which only the torch backend
+    implements; empty: none."""
+    resolved = resolve_backend(name, kv_cache.device, kv_cache.dtype, bool(sinks)).name
+    if sinks:
+        return TorchAttentionBackend(kv_cache, num_heads, scale, windows, sinks)
     if resolved == "flashinfer":
         return FlashInferAttentionBackend(kv_cache, num_heads, scale, windows=windows)
     if resolved == "cpu-native":

@@ -18,6 +18,9 @@ folded into the query axis and a causal mask offset by the tokens already cached
 A layer with a sliding window of w tokens masks the keys more than w - 1 positions before
 each query as well (w = 3, a query at position 5 of 6 keys):  keys 0 1 2 3 4 5  ->  - - - 3 4 5
 Each step plans one mask per distinct window among the layers.
+
+Attention sinks (gpt-oss) add a learned logit per head to each softmax's denominator: the
+probabilities of the keys then sum to less than 1, the rest going to no value at all.
 """
 
 from __future__ import annotations
@@ -63,6 +66,16 @@ def visible(q_pos: np.ndarray, kv_len: int, window: int | None) -> np.ndarray:
     return seen
 
 
+def softmax(logits: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim, with a sink logit (broadcast to logits[..., :1]) in the
+    denominator where there is one."""
+    if sink is None:
+        return torch.softmax(logits, dim=-1)
+    top = torch.maximum(logits.amax(dim=-1, keepdim=True), sink)
+    weights = torch.exp(logits - top)
+    return weights / (weights.sum(dim=-1, keepdim=True) + torch.exp(sink - top))
+
+
 def additive_mask(seen: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.where(seen, 0.0, -np.inf).astype(np.float32))
 
@@ -76,11 +89,15 @@ class TorchAttentionBackend:
         num_heads: int,
         scale: float,
         windows: Sequence[int | None] = (),
+        sinks: Sequence[torch.Tensor] = (),
     ) -> None:
-        """`windows`: each layer's sliding window (None: none); empty: no layer has one."""
+        """`windows`: each layer's sliding window (None: none); empty: no layer has one.
+        `sinks`: each layer's sink logits (num_heads,); empty: none."""
         self.kv_cache = kv_cache  # (layers, 2, blocks, block_size, kv_heads, head_dim)
         _, _, _, self.block_size, self.num_kv_heads, self.head_dim = kv_cache.shape
         self.windows = tuple(windows) or (None,) * kv_cache.shape[0]
+        self.sinks: list[torch.Tensor | None] = [s.float() for s in sinks]
+        self.sinks = self.sinks or [None] * kv_cache.shape[0]
         self.num_heads = num_heads
         self.group = num_heads // self.num_kv_heads
         self.scale = scale
@@ -138,17 +155,18 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         k_cache, v_cache = write_kv(self.kv_cache, layer_idx, self._slot_mapping, k, v)
         out = torch.empty_like(q)  # (T, num_heads, head_dim)
-        window = self.windows[layer_idx]
+        window, sinks = self.windows[layer_idx], self.sinks[layer_idx]
         if self._decode is not None:
-            self._forward_decode(self._decode, window, q, k_cache, v_cache, out)
+            self._forward_decode(self._decode, window, sinks, q, k_cache, v_cache, out)
         for plan in self._extends:
-            self._forward_extend(plan, window, q, k, v, k_cache, v_cache, out)
+            self._forward_extend(plan, window, sinks, q, k, v, k_cache, v_cache, out)
         return out
 
     def _forward_decode(
         self,
         plan: _DecodePlan,
         window: int | None,
+        sinks: torch.Tensor | None,
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
@@ -162,7 +180,8 @@ class TorchAttentionBackend:
         q_dec = q[:n] if plan.rows is None else q[plan.rows]
         q_bd = (q_dec.view(n, hkv, g, 1, d) * self._eye).view(n, hkv * g, hkv * d)
         scores = torch.bmm(q_bd, keys.transpose(1, 2)).float()  # (n, heads, kv_len)
-        probs = torch.softmax(scores * self.scale + mask, dim=-1).to(q.dtype)
+        sink = None if sinks is None else sinks.view(1, -1, 1)
+        probs = softmax(scores * self.scale + mask, sink).to(q.dtype)
         o = torch.bmm(probs, values).view(n, hkv, g, hkv, d)  # (n, heads, kv_heads * d)
         o = torch.diagonal(o, dim1=1, dim2=3).permute(0, 3, 1, 2)  # (n, kv_heads, g, d)
         if plan.rows is None:
@@ -174,6 +193,7 @@ class TorchAttentionBackend:
         self,
         plan: _ExtendPlan,
         window: int | None,
+        sinks: torch.Tensor | None,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -192,9 +212,11 @@ class TorchAttentionBackend:
         keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # (kv_heads, kv_len, d)
         # Rows of each KV head's query matrix are (g, i): group-major, then position.
         q_f = q[plan.start : plan.end].transpose(0, 1).reshape(hkv, g * q_len, d)
-        if self.num_heads * q_len * kv_len <= _MAX_MATERIALISED_SCORES:
+        # SDPA has no sinks: a model with them materialises its scores at any size.
+        if sinks is not None or self.num_heads * q_len * kv_len <= _MAX_MATERIALISED_SCORES:
             scores = torch.matmul(q_f, keys.transpose(1, 2)).float().view(hkv, g, q_len, kv_len)
-            probs = torch.softmax(scores * self.scale + mask, dim=-1).to(q.dtype)
+            sink = None if sinks is None else sinks.view(hkv, g, 1, 1)
+            probs = softmax(scores * self.scale + mask, sink).to(q.dtype)
             o = torch.matmul(probs.view(hkv, g * q_len, kv_len), values)
         else:
             o = F.scaled_dot_product_attention(

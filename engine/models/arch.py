@@ -17,9 +17,10 @@ ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Phi3ForCausalLM": "phi3",
     "Gemma3ForCausalLM": "gemma3_text",
+    "GptOssForCausalLM": "gpt_oss",
 }
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES.values())
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,8 @@ class ModelArch:
     experts of `moe_intermediate_size`, `num_experts_per_tok` of them per token. Phi-3
     (and Phi-4-mini, a phi3 model) fuses the projections in its checkpoints the way our
     layers are fused, and adds longrope and partial rotary embeddings (`rotary_dim`).
-    Gemma 3 (engine/models/gemma3.py) sets the fields from `hidden_act` on.
+    Gemma 3 (engine/models/gemma3.py) sets the fields from `hidden_act` to
+    `final_logit_softcapping`, gpt-oss (engine/models/gpt_oss.py) those after them.
     """
 
     model_type: str
@@ -73,6 +75,12 @@ class ModelArch:
     query_pre_attn_scalar: float | None = None
     local_rope_theta: float | None = None
     final_logit_softcapping: float | None = None
+    # gpt-oss: a learned logit per head in each softmax's denominator, an o_proj bias, and
+    # its experts' clamped SwiGLU, glu = gate * sigmoid(alpha * gate) (see gpt_oss.py).
+    attention_sinks: bool = False
+    o_bias: bool = False
+    swiglu_alpha: float = 0.0
+    swiglu_limit: float = 0.0
 
     @property
     def is_moe(self) -> bool:
@@ -137,6 +145,8 @@ class ModelArch:
         rope["rope_type"] = rope_type
         if rope_type == "longrope":
             rope.update(_longrope_fields(config, rope))
+        if rope_type == "yarn":
+            rope.update(_yarn_fields(config, rope))
         if model_type != "gemma3_text" and getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported activation {config.hidden_act!r}; only silu")
         if getattr(config, "mlp_bias", False):
@@ -165,6 +175,7 @@ class ModelArch:
             **_sliding_fields(config),
             **_moe_fields(config),
             **_gemma3_fields(config),
+            **_gpt_oss_fields(config),
         )
 
 
@@ -191,6 +202,25 @@ def _longrope_fields(config: Any, rope: dict[str, Any]) -> dict[str, Any]:
     if attention is None:
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     return {"original_max_position_embeddings": int(original), "attention_factor": attention}
+
+
+def _yarn_fields(config: Any, rope: dict[str, Any]) -> dict[str, Any]:
+    """YaRN's factor and the factor transformers scales cos and sin by, as its
+    _compute_yarn_parameters resolves them (layers.rope_inv_freq reads the rest)."""
+    original = rope["original_max_position_embeddings"]
+    factor = rope.get("factor") or config.max_position_embeddings / original
+    attention = rope.get("attention_factor")
+    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if attention is None:
+        if mscale and mscale_all_dim:
+            attention = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+        else:
+            attention = get_mscale(factor)
+    return {"factor": float(factor), "attention_factor": float(attention)}
 
 
 def _rotary_dim(config: Any, rope: dict[str, Any], head_dim: int) -> int | None:
@@ -244,6 +274,29 @@ def _gemma3_fields(config: Any) -> dict[str, Any]:
         query_pre_attn_scalar=float(config.query_pre_attn_scalar),
         local_rope_theta=float(local["rope_theta"]),
         final_logit_softcapping=config.final_logit_softcapping,
+    )
+
+
+def _gpt_oss_fields(config: Any) -> dict[str, Any]:
+    """gpt-oss's departures from Llama: sinks, biases and its experts (every layer's)."""
+    if config.model_type != "gpt_oss":
+        return {}
+    quant = getattr(config, "quantization_config", None) or {}
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant.quant_method
+    if method is not None:
+        raise ValueError(
+            f"gpt-oss weights quantized as {method!r} are not supported; serve a checkpoint "
+            "with float (bfloat16) experts"
+        )
+    return dict(
+        attention_sinks=True,
+        o_bias=bool(config.attention_bias),
+        swiglu_alpha=float(config.swiglu_alpha),
+        swiglu_limit=float(config.swiglu_limit),
+        num_experts=config.num_local_experts,
+        num_experts_per_tok=config.num_experts_per_tok,
+        moe_intermediate_size=config.intermediate_size,
+        moe_layers=tuple(range(config.num_hidden_layers)),
     )
 
 

@@ -48,7 +48,13 @@ class Attention(nn.Module):
         self.window = arch.layer_windows[layer_idx]  # the backend applies it; fused layers too
         self.q_size, self.kv_size = arch.q_size, arch.kv_size
         self.qkv_proj = Linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size, arch.qkv_bias)
-        self.o_proj = Linear(arch.q_size, arch.hidden_size)
+        self.o_proj = Linear(arch.q_size, arch.hidden_size, arch.o_bias)
+        # gpt-oss: each head's sink logit, which the attention backend applies.
+        self.sinks = (
+            nn.Parameter(torch.empty(arch.num_heads), requires_grad=False)
+            if arch.attention_sinks
+            else None
+        )
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
 
@@ -141,6 +147,12 @@ class DecoderModel(nn.Module):
         # with dense copies of quantized weights, a second set for steps of many tokens.
         self.fused_layers: FusedLayers | None = None
         self.fused_dense_layers: FusedLayers | None = None
+
+    def layer_sinks(self) -> list[torch.Tensor]:
+        """Each layer's attention sinks (num_heads,), for the attention backend; empty for a
+        model without them."""
+        sinks = [getattr(layer.self_attn, "sinks", None) for layer in self.layers]
+        return [s.detach() for s in sinks if s is not None]
 
     def quantize_embedding(self, weight: QuantizedWeight) -> None:
         """Looks tokens up in `weight` from now on (the float table is dropped)."""

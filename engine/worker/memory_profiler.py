@@ -81,7 +81,12 @@ def cache_and_backend(
         param.device,
     )
     backend = create_backend(
-        backend_name, kv_cache, arch.num_heads, arch.attention_scale, arch.layer_windows
+        backend_name,
+        kv_cache,
+        arch.num_heads,
+        arch.attention_scale,
+        arch.layer_windows,
+        model.layer_sinks(),
     )
     return kv_cache, backend
 

@@ -168,6 +168,7 @@ class ModelRunner:
             arch.num_heads,
             arch.attention_scale,
             arch.layer_windows,
+            model.layer_sinks(),
         )
         self.backend = self.profiler.wrap_backend(backend)
         on_cpu = self.device.type == "cpu"
