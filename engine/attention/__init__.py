@@ -28,17 +28,18 @@ def resolve_backend(
 ) -> BackendChoice:
     """The concrete backend for `name` on `device` and why; raises ValueError when `name`
     cannot run there (with the reason). May import flashinfer or load the native kernels.
-    With `sinks` (a model with attention sinks, gpt-oss), only the torch backend runs."""
+    With `sinks` (a model with attention sinks, gpt-oss), flashinfer is refused, and on a GPU
+    auto picks torch."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {BACKENDS}")
-    if sinks and name == "auto":
-        return BackendChoice("torch", "auto: attention sinks run on the torch backend only")
-    if sinks and name != "torch":
+    on_cpu = torch.device(device).type == "cpu"
+    if sinks and name == "auto" and not on_cpu:
+        return BackendChoice("torch", "auto: flashinfer here has no attention sinks (gpt-oss)")
+    if sinks and name == "flashinfer":
         raise ValueError(
-            f"attention backend {name!r} does not implement attention sinks (gpt-oss); "
+            "attention backend 'flashinfer' does not implement attention sinks (gpt-oss); "
             "use --attention-backend torch"
         )
-    on_cpu = torch.device(device).type == "cpu"
     if name == "flashinfer" or (name == "auto" and not on_cpu):
         return select_gpu_backend(name, device, dtype)
     if name == "cpu-native" and not on_cpu:
@@ -69,13 +70,11 @@ def create_backend(
     sinks: Sequence[torch.Tensor] = (),
 ) -> AttentionBackend:
     """`windows`: each layer's sliding window in tokens (None: none); empty: no layer has
-    one. `sinks`: each layer's attention sinks (num_heads,), which only the torch backend
-    implements; empty: none."""
+    one. `sinks`: each layer's attention sinks (num_heads,), which flashinfer does not
+    implement; empty: none."""
     resolved = resolve_backend(name, kv_cache.device, kv_cache.dtype, bool(sinks)).name
-    if sinks:
-        return TorchAttentionBackend(kv_cache, num_heads, scale, windows, sinks)
     if resolved == "flashinfer":
         return FlashInferAttentionBackend(kv_cache, num_heads, scale, windows=windows)
     if resolved == "cpu-native":
-        return NativeCpuAttentionBackend(kv_cache, num_heads, scale, windows)
-    return TorchAttentionBackend(kv_cache, num_heads, scale, windows)
+        return NativeCpuAttentionBackend(kv_cache, num_heads, scale, windows, sinks)
+    return TorchAttentionBackend(kv_cache, num_heads, scale, windows, sinks)

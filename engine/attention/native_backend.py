@@ -25,8 +25,10 @@ class NativeCpuAttentionBackend:
         num_heads: int,
         scale: float,
         windows: Sequence[int | None] = (),
+        sinks: Sequence[torch.Tensor] = (),
     ) -> None:
-        """`windows`: each layer's sliding window (None: none); empty: no layer has one."""
+        """`windows`: each layer's sliding window (None: none); empty: no layer has one.
+        `sinks`: each layer's sink logits (num_heads,); empty: none."""
         if kv_cache.device.type != "cpu":
             raise ValueError("the cpu-native attention backend needs the KV cache on the CPU")
         kernels = native_kernels()
@@ -40,6 +42,9 @@ class NativeCpuAttentionBackend:
         self.scale = scale
         # The kernel's window argument per layer: 0 for none.
         self.windows = [w or 0 for w in windows] or [0] * kv_cache.shape[0]
+        # The kernel's sinks argument per layer: float32, contiguous; None for none.
+        self.sinks: list[torch.Tensor | None] = [s.float().contiguous() for s in sinks]
+        self.sinks = self.sinks or [None] * kv_cache.shape[0]
         self._kernel = torch.ops.pagedserve.paged_attention
         self._slot_mapping = torch.empty(0, dtype=torch.long)
         self._metadata: tuple[torch.Tensor, ...] = ()  # qo_indptr, kv_indptr, kv_indices, last
@@ -71,6 +76,6 @@ class NativeCpuAttentionBackend:
         if q.stride(-1) != 1 or q.stride(-2) != self.head_dim:
             q = q.contiguous()
         out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (T, heads, head_dim)
-        window = self.windows[layer_idx]  # isa None: the CPU's best
-        self._kernel(out, q, k_cache, v_cache, *self._metadata, self.scale, None, window)
+        window, sinks = self.windows[layer_idx], self.sinks[layer_idx]  # isa None: the best
+        self._kernel(out, q, k_cache, v_cache, *self._metadata, self.scale, None, window, sinks)
         return out

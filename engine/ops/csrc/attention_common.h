@@ -214,6 +214,13 @@ void save_states(const Problem<T>& pb, const WorkItem& it, const Span& sp, int64
   }
 }
 
+// The softmax denominator of an online-softmax state of `head` whose running max and sum
+// are mx and sum: the sum, plus exp(sink - mx) with attention sinks.
+template <typename T>
+float denominator(const Problem<T>& pb, int64_t head, float mx, float sum) {
+  return pb.sinks != nullptr ? sum + std::exp(pb.sinks[head] - mx) : sum;
+}
+
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }

@@ -369,7 +369,9 @@ class AttentionItem {
   void write_outputs(int64_t hl) {
     for (int64_t m = 0; m < M_; ++m) {
       T* dst = pb_.out + (sp_.q_begin + row_of(m)) * pb_.out_stride + head_of(hl, m) * D_;
-      const F inv = V::set1(1.0f / s_.row_sum[hl * M_ + m]);
+      const int64_t v = hl * M_ + m;
+      const float sum = denominator(pb_, head_of(hl, m), s_.row_max[v], s_.row_sum[v]);
+      const F inv = V::set1(1.0f / sum);
       const float* acc = &s_.acc[(hl * M_ + m) * D_];
 #pragma GCC unroll 16
       for (int64_t d = 0; d < vecs(); ++d) {

@@ -39,6 +39,7 @@
 namespace pagedserve {
 namespace {
 
+using PAGEDSERVE_ISA::denominator;
 using PAGEDSERVE_ISA::first_walked_key;
 using PAGEDSERVE_ISA::part_state;
 using PAGEDSERVE_ISA::span_of;
@@ -283,7 +284,7 @@ void merge_parts(const Problem<T>& pb, const std::vector<SplitDecode>& splits) {
         weight[p] = std::exp(st[D] - mx);
         sum += st[D + 1] * weight[p];
       }
-      const float inv = 1.0f / sum;
+      const float inv = 1.0f / denominator(pb, head, mx, sum);
       T* dst = pb.out + split.row * pb.out_stride + head * D;
       for (int64_t d = 0; d < D; ++d) {
         float acc = 0.f;
@@ -355,8 +356,13 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
                      const at::Tensor& v_cache, const at::Tensor& qo_indptr,
                      const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
                      const at::Tensor& kv_last_page_len, double scale,
-                     const std::optional<std::string>& isa, int64_t window) {
+                     const std::optional<std::string>& isa, int64_t window,
+                     const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(window >= 0, "paged_attention: window must be 0 (none) or positive");
+  TORCH_CHECK(!sinks.has_value() ||
+                  (sinks->device().is_cpu() && sinks->scalar_type() == at::kFloat &&
+                   sinks->is_contiguous() && sinks->dim() == 1 && sinks->size(0) == q.size(1)),
+              "paged_attention: sinks must be a contiguous float32 CPU tensor of num_heads");
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(),
               "paged_attention: q and out must be (T, H, D)");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
@@ -387,6 +393,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
                         Hkv, D, k_cache.size(1), H / Hkv, static_cast<float>(scale),
                         nullptr};
     pb.window = window;
+    pb.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
     run(pb, kv_last_page_len.size(0), q.size(0), kernels_for(isa));
   };
   dispatch_dtype(q.scalar_type(), "paged_attention", launch);
@@ -424,11 +431,12 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
       "shared_prefixes(Tensor qo_indptr, Tensor kv_indptr, Tensor kv_indices, "
       "Tensor kv_last_page_len, int block_size) -> Tensor");
   // isa: run this instruction set's kernels instead of the CPU's best (for tests). window:
-  // a sliding window of that many keys (0: none; see Problem::window).
+  // a sliding window of that many keys (0: none; see Problem::window). sinks: a float32
+  // logit per query head in each softmax's denominator (Problem::sinks).
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
       "Tensor qo_indptr, Tensor kv_indptr, Tensor kv_indices, Tensor kv_last_page_len, "
-      "float scale, str? isa=None, int window=0) -> ()");
+      "float scale, str? isa=None, int window=0, Tensor? sinks=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {

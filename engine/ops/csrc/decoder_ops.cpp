@@ -156,7 +156,7 @@ const auto& paged_attention_op() {
           .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                       const at::Tensor&, const at::Tensor&, const at::Tensor&,
                       const at::Tensor&, const at::Tensor&, double, const OptString&,
-                      int64_t)>();
+                      int64_t, const std::optional<at::Tensor>&)>();
   return op;
 }
 
@@ -291,7 +291,7 @@ at::Tensor attention(const LayerWeights& w, const at::Tensor& h, const at::Tenso
   {
     const KernelTimer timer(&g_attention_ns);
     paged_attention_op().call(out, q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices,
-                              kv_last_page_len, scale, std::nullopt, w.window);
+                              kv_last_page_len, scale, std::nullopt, w.window, std::nullopt);
   }
   return linear(out.reshape({T, q_size}), *w.o_proj);
 }

@@ -1,8 +1,8 @@
 """gpt-oss (GptOssForCausalLM) against transformers in float32: greedy tokens alone, batched,
 in chunks, from the prefix cache and after preemption, and every position's logits. Its tiny
 model alternates a windowed layer (12 tokens) and a full one, has YaRN rope, attention sinks
-and biases, and 4 experts with biases, top-2. Attention sinks run on the torch backend only:
-`auto` picks it, the others are refused; so are MXFP4 checkpoints."""
+and biases, and 4 experts with biases, top-2. FlashInfer is refused for attention sinks, and so are
+MXFP4 checkpoints."""
 
 from __future__ import annotations
 
@@ -48,14 +48,15 @@ def test_logits_match_transformers(gpt_oss: ArchCase) -> None:
         assert diff < 1e-4
 
 
-def test_sinks_run_on_the_torch_backend_only() -> None:
-    assert resolve_backend("auto", "cpu", torch.float32, sinks=True).name == "torch"
-    for name in ("cpu-native", "flashinfer"):
-        with pytest.raises(ValueError, match="does not implement attention sinks"):
-            resolve_backend(name, "cpu", torch.float32, sinks=True)
+def test_flashinfer_is_refused_for_sinks() -> None:
+    """The CPU backends run sinks (tests/engine/attention/test_attention_sinks.py)."""
+    assert resolve_backend("auto", "cuda", torch.bfloat16, sinks=True).name == "torch"
+    with pytest.raises(ValueError, match="does not implement attention sinks"):
+        resolve_backend("flashinfer", "cuda", torch.bfloat16, sinks=True)
+    assert resolve_backend("cpu-native", "cpu", torch.float32, sinks=True).name == "cpu-native"
     cache = allocate_kv_cache(2, 4, 16, 2, 16, torch.float32, "cpu")
-    backend = create_backend("auto", cache, 4, 0.25, sinks=[torch.zeros(4)] * 2)
-    assert isinstance(backend, TorchAttentionBackend)
+    backend = create_backend("torch", cache, 4, 0.25, sinks=[torch.zeros(4)] * 2)
+    assert isinstance(backend, TorchAttentionBackend) and backend.sinks[1] is not None
 
 
 def test_mxfp4_checkpoints_are_refused() -> None:
