@@ -123,6 +123,7 @@ class EngineCore:
             cache_config.block_size,
             cache_config.enable_prefix_caching,
             kv_events.recorder if kv_events is not None else None,
+            model_config.arch.kv_window,
         )
         tokenizer = load_tokenizer(model_config)
         arch = model_config.arch

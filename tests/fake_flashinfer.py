@@ -17,7 +17,8 @@ the call as the backend made it:
   (q_data_type when None), with the planned page size and head geometry;
 - pages of request r are kv_indices[kv_indptr[r]:kv_indptr[r + 1]], its KV length is
   page_size * (pages - 1) + last_page_len[r]; causal=True aligns the queries to the end of
-  the KV: query i sees keys 0..kv_len - q_len + i;
+  the KV: query i sees keys 0..kv_len - q_len + i; window_left >= 0 (plan's) leaves a query
+  at position p only the keys p - window_left..p;
 - in use_cuda_graph mode, plan() copies the page table into the given buffers and run()
   reads the buffers.
 """
@@ -63,6 +64,7 @@ class _Plan:
     page_size: int
     causal: bool
     sm_scale: float
+    window_left: int
     q_data_type: torch.dtype
     kv_data_type: torch.dtype
 
@@ -99,7 +101,8 @@ def _make_plan(
     kv_type = p["kv_data_type"] if p["kv_data_type"] is not None else q_type
     scale = p["sm_scale"] if p["sm_scale"] is not None else head_dim**-0.5
     heads = (p["num_qo_heads"], p["num_kv_heads"], head_dim, p["page_size"])
-    return _Plan(qo_indptr, *table, *heads, causal, scale, q_type, kv_type)
+    left = p["window_left"]
+    return _Plan(qo_indptr, *table, *heads, causal, scale, left, q_type, kv_type)
 
 
 def paged_attention(
@@ -124,10 +127,15 @@ def paged_attention(
         values = v_cache[pages].reshape(-1, kv_heads, head_dim)[:kv_len].double()
         keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
         scores = torch.einsum("qhd,khd->hqk", q[start:end].double(), keys) * plan.sm_scale
+        # Query positions: aligned to the end of the KV (a decode's one query too).
+        q_pos = kv_len - (end - start) + torch.arange(end - start)
+        keys_pos = torch.arange(kv_len)[None, :]
+        visible = torch.ones(end - start, kv_len, dtype=torch.bool)
         if plan.causal:
-            limit = kv_len - (end - start) + torch.arange(end - start)
-            visible = torch.arange(kv_len)[None, :] <= limit[:, None]
-            scores = scores.masked_fill(~visible, float("-inf"))
+            visible &= keys_pos <= q_pos[:, None]
+        if plan.window_left >= 0:
+            visible &= keys_pos >= q_pos[:, None] - plan.window_left
+        scores = scores.masked_fill(~visible, float("-inf"))
         out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(q.dtype)
     return out
 

@@ -74,6 +74,8 @@ def save_byte_tokenizer(path: Path) -> None:
 
 def make_config(kind: str, vocab_size: int = VOCAB, max_positions: int = 512):
     from transformers import (
+        Gemma3TextConfig,
+        GptOssConfig,
         LlamaConfig,
         MistralConfig,
         MixtralConfig,
@@ -115,8 +117,52 @@ def make_config(kind: str, vocab_size: int = VOCAB, max_positions: int = 512):
         return Qwen2Config(**common)
     if kind == "mistral":
         return MistralConfig(**common, sliding_window=None)
+    # Sliding windows of 12 tokens, shorter than most test prompts: every layer's (Mistral),
+    # from layer 1 on (Qwen2's max_window_layers).
+    if kind == "mistral-swa":
+        return MistralConfig(**common, sliding_window=12)
+    if kind == "qwen2-swa":
+        return Qwen2Config(
+            **common, use_sliding_window=True, sliding_window=12, max_window_layers=1
+        )
+    if kind in ("gemma3", "gemma3_text"):
+        # Local layers 0 and 1 (window 12, their own rope theta), global layer 2 (linear
+        # rope scaling); a scale other than head_dim's, and a final logit cap.
+        common.update(num_hidden_layers=3, tie_word_embeddings=True)
+        return Gemma3TextConfig(
+            **common,
+            head_dim=16,
+            sliding_window=12,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            query_pre_attn_scalar=24,
+            final_logit_softcapping=5.0,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+            },
+        )
     if kind == "qwen3":
         return Qwen3Config(**common, head_dim=16)
+    if kind == "gpt_oss":
+        # Layer 0 windowed (12 tokens), layer 1 full; 4 experts of 32, top-2; YaRN over an
+        # original context of 64 (8 of the 16 dims interpolated or blended).
+        common["intermediate_size"] = 32
+        return GptOssConfig(
+            **common,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=12,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 64,
+            },
+        )
     # Mixture-of-experts: 8 experts of 32, top-2 (overrides set norm_topk_prob,
     # mlp_only_layers or decoder_sparse_step).
     if kind == "qwen3_moe":
@@ -150,9 +196,9 @@ def make_tiny_model(
     kind: str, path: Path, seed: int = 0, byte_level: bool = False, **overrides: object
 ) -> Path:
     """Saves a random-weight model of `kind` (llama, llama3-rope, qwen2, qwen3, qwen3_moe,
-    mixtral, phi3, phi3-longrope) to `path`, with the word-level tokenizer, or with the
-    byte-level one when `byte_level`; `overrides` change its config (e.g. hidden_size=256,
-    head_dim=64)."""
+    mixtral, phi3, phi3-longrope, mistral-swa, qwen2-swa, gemma3, gpt_oss) to `path`, with the
+    word-level tokenizer, or with the byte-level one when `byte_level`; `overrides` change
+    its config (e.g. hidden_size=256, head_dim=64)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -160,6 +206,14 @@ def make_tiny_model(
     config = make_config(kind, *((BYTE_VOCAB, 2048) if byte_level else (VOCAB, 512)))
     config.update(overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Gemma 3's norms start at 0 (a scale of 1), gpt-oss's sinks and biases may: make each
+    # one count.
+    starts_plain = ("norm.weight",) if kind.startswith("gemma3") else ("sinks", "bias")
+    if kind.startswith(("gemma3", "gpt_oss")):
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(starts_plain):
+                    param.normal_(0.0, 0.5 if name.endswith("sinks") else 0.2)
     model.save_pretrained(path)
     (save_byte_tokenizer if byte_level else save_word_tokenizer)(path)
     return path

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from engine.attention.backend import AttentionBackend, BackendChoice
@@ -22,13 +24,22 @@ BACKENDS = ("auto", "torch", "cpu-native", "flashinfer")
 
 
 def resolve_backend(
-    name: str, device: torch.device | str, dtype: torch.dtype | None = None
+    name: str, device: torch.device | str, dtype: torch.dtype | None = None, sinks: bool = False
 ) -> BackendChoice:
     """The concrete backend for `name` on `device` and why; raises ValueError when `name`
-    cannot run there (with the reason). May import flashinfer or load the native kernels."""
+    cannot run there (with the reason). May import flashinfer or load the native kernels.
+    With `sinks` (a model with attention sinks, gpt-oss), flashinfer is refused, and on a GPU
+    auto picks torch."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {BACKENDS}")
     on_cpu = torch.device(device).type == "cpu"
+    if sinks and name == "auto" and not on_cpu:
+        return BackendChoice("torch", "auto: flashinfer here has no attention sinks (gpt-oss)")
+    if sinks and name == "flashinfer":
+        raise ValueError(
+            "attention backend 'flashinfer' does not implement attention sinks (gpt-oss); "
+            "use --attention-backend torch"
+        )
     if name == "flashinfer" or (name == "auto" and not on_cpu):
         return select_gpu_backend(name, device, dtype)
     if name == "cpu-native" and not on_cpu:
@@ -51,11 +62,19 @@ def resolve_backend(
 
 
 def create_backend(
-    name: str, kv_cache: torch.Tensor, num_heads: int, scale: float
+    name: str,
+    kv_cache: torch.Tensor,
+    num_heads: int,
+    scale: float,
+    windows: Sequence[int | None] = (),
+    sinks: Sequence[torch.Tensor] = (),
 ) -> AttentionBackend:
-    resolved = resolve_backend(name, kv_cache.device, kv_cache.dtype).name
+    """`windows`: each layer's sliding window in tokens (None: none); empty: no layer has
+    one. `sinks`: each layer's attention sinks (num_heads,), which flashinfer does not
+    implement; empty: none."""
+    resolved = resolve_backend(name, kv_cache.device, kv_cache.dtype, bool(sinks)).name
     if resolved == "flashinfer":
-        return FlashInferAttentionBackend(kv_cache, num_heads, scale)
+        return FlashInferAttentionBackend(kv_cache, num_heads, scale, windows=windows)
     if resolved == "cpu-native":
-        return NativeCpuAttentionBackend(kv_cache, num_heads, scale)
-    return TorchAttentionBackend(kv_cache, num_heads, scale)
+        return NativeCpuAttentionBackend(kv_cache, num_heads, scale, windows, sinks)
+    return TorchAttentionBackend(kv_cache, num_heads, scale, windows, sinks)

@@ -12,14 +12,17 @@ index_copy_), then one wrapper call attends over every request's pages:
 Steps with a multi-token request use BatchPrefillWithPagedKVCacheWrapper with causal=True:
 FlashInfer aligns a request's queries to the end of its KV, so query i sees keys
 0..kv_len - q_len + i, which is our position rule. Steps where every request has one query
-use BatchDecodeWithPagedKVCacheWrapper. `flashinfer` is imported lazily: this module imports
-without it.
+use BatchDecodeWithPagedKVCacheWrapper. A layer with a sliding window of w tokens runs on
+wrappers planned with window_left = w - 1 (FlashInfer's query at position p sees keys
+p - window_left..p): each distinct window among the layers has its own wrappers, planned
+with the same page table. `flashinfer` is imported lazily: this module imports without it.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
@@ -88,6 +91,12 @@ def use_tensor_cores(num_heads: int, num_kv_heads: int) -> bool:
     return num_heads // num_kv_heads > 4
 
 
+def window_left(window: int | None) -> int:
+    """FlashInfer's window_left for a sliding window of `window` tokens: the keys before the
+    query's own that it sees (-1: all of them)."""
+    return -1 if window is None else window - 1
+
+
 def host_page_table(md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qo_indptr, kv_indptr and kv_last_page_len as CPU int32 tensors (views of the host
     arrays): FlashInfer plans on the host, and given device tensors, plan() would copy them
@@ -106,7 +115,12 @@ class _PagedAttention:
     name = "flashinfer"
 
     def __init__(
-        self, kv_cache: torch.Tensor, num_heads: int, scale: float, flashinfer: ModuleType | None
+        self,
+        kv_cache: torch.Tensor,
+        num_heads: int,
+        scale: float,
+        flashinfer: ModuleType | None,
+        windows: Sequence[int | None],
     ) -> None:
         if kv_cache.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"FlashInfer runs float16 and bfloat16 caches, not {kv_cache.dtype}")
@@ -116,8 +130,11 @@ class _PagedAttention:
         self.num_heads = num_heads
         self.scale = scale
         self.tensor_cores = use_tensor_cores(num_heads, self.num_kv_heads)
+        # Each layer's window_left, and the distinct ones (a set of wrappers each).
+        self.layer_lefts = [window_left(w) for w in windows] or [-1] * kv_cache.shape[0]
+        self.lefts = sorted(set(self.layer_lefts))
 
-    def _plan_decode(self, wrapper: Any, md: AttentionMetadata) -> None:
+    def _plan_decode(self, wrapper: Any, md: AttentionMetadata, left: int) -> None:
         _, kv_indptr, last_page_len = host_page_table(md)
         wrapper.plan(
             kv_indptr,
@@ -130,6 +147,7 @@ class _PagedAttention:
             q_data_type=self.kv_cache.dtype,
             kv_data_type=self.kv_cache.dtype,
             sm_scale=self.scale,
+            window_left=left,
         )
 
     def _attend(
@@ -151,6 +169,7 @@ class FlashInferAttentionBackend(_PagedAttention):
     `flashinfer` is the module to call (tests pass a recording stand-in); None imports the real
     one. `workspace` is FlashInfer's float scratch buffer, which wrappers running one after
     another on the same stream may share; None allocates a new_workspace on the cache's device.
+    `windows`: each layer's sliding window (None: none); empty: no layer has one.
     """
 
     def __init__(
@@ -160,28 +179,40 @@ class FlashInferAttentionBackend(_PagedAttention):
         scale: float,
         flashinfer: ModuleType | None = None,
         workspace: torch.Tensor | None = None,
+        windows: Sequence[int | None] = (),
     ) -> None:
-        super().__init__(kv_cache, num_heads, scale, flashinfer)
+        super().__init__(kv_cache, num_heads, scale, flashinfer, windows)
         if workspace is None:
             workspace = new_workspace(kv_cache.device)
         self.workspace = workspace
-        self._prefill = self.fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-        self._decode = self.fi.BatchDecodeWithPagedKVCacheWrapper(
-            workspace, "NHD", use_tensor_cores=self.tensor_cores
-        )
-        self._wrapper: Any = self._prefill
+        self._prefill = {
+            left: self.fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+            for left in self.lefts
+        }
+        self._decode = {
+            left: self.fi.BatchDecodeWithPagedKVCacheWrapper(
+                workspace, "NHD", use_tensor_cores=self.tensor_cores
+            )
+            for left in self.lefts
+        }
+        self._wrappers: dict[int, Any] = self._prefill
         self._slot_mapping = torch.empty(0, dtype=torch.long, device=kv_cache.device)
 
     def plan(self, metadata: AttentionMetadata) -> None:
         """Mutates the backend: plans this step's wrapper. Called once per step."""
         self._slot_mapping = metadata.slot_mapping
         if metadata.is_decode_only:
-            self._wrapper = self._decode
-            self._plan_decode(self._decode, metadata)
+            self._wrappers = self._decode
+            for left, wrapper in self._decode.items():
+                self._plan_decode(wrapper, metadata, left)
             return
+        self._wrappers = self._prefill
+        for left, wrapper in self._prefill.items():
+            self._plan_prefill(wrapper, metadata, left)
+
+    def _plan_prefill(self, wrapper: Any, metadata: AttentionMetadata, left: int) -> None:
         qo_indptr, kv_indptr, last_page_len = host_page_table(metadata)
-        self._wrapper = self._prefill
-        self._prefill.plan(
+        wrapper.plan(
             qo_indptr,
             kv_indptr,
             metadata.kv_indices,
@@ -192,6 +223,7 @@ class FlashInferAttentionBackend(_PagedAttention):
             self.block_size,
             causal=True,
             sm_scale=self.scale,
+            window_left=left,
             q_data_type=self.kv_cache.dtype,
             kv_data_type=self.kv_cache.dtype,
         )
@@ -202,7 +234,8 @@ class FlashInferAttentionBackend(_PagedAttention):
         """q: (T, heads, head_dim); k, v: (T, kv_heads, head_dim) -> (T, heads, head_dim).
 
         Mutates the KV cache: writes this step's K/V, then attends."""
-        return self._attend(self._wrapper, self._slot_mapping, layer_idx, q, k, v)
+        wrapper = self._wrappers[self.layer_lefts[layer_idx]]
+        return self._attend(wrapper, self._slot_mapping, layer_idx, q, k, v)
 
 
 class CudaGraphDecodeAttention(_PagedAttention):
@@ -223,19 +256,24 @@ class CudaGraphDecodeAttention(_PagedAttention):
         buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
         workspace: torch.Tensor,
         flashinfer: ModuleType | None = None,
+        windows: Sequence[int | None] = (),
     ) -> None:
-        super().__init__(kv_cache, num_heads, scale, flashinfer)
+        super().__init__(kv_cache, num_heads, scale, flashinfer, windows)
         indptr, indices, last_page_len, self.slot_mapping = buffers
         self.batch_size = int(last_page_len.shape[0])
-        self._wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(
-            workspace,
-            "NHD",
-            use_cuda_graph=True,
-            use_tensor_cores=self.tensor_cores,
-            paged_kv_indptr_buffer=indptr,
-            paged_kv_indices_buffer=indices,
-            paged_kv_last_page_len_buffer=last_page_len,
-        )
+        # One wrapper per window, all on the same buffers (each plan copies the same table).
+        self._wrappers = {
+            left: self.fi.BatchDecodeWithPagedKVCacheWrapper(
+                workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=self.tensor_cores,
+                paged_kv_indptr_buffer=indptr,
+                paged_kv_indices_buffer=indices,
+                paged_kv_last_page_len_buffer=last_page_len,
+            )
+            for left in self.lefts
+        }
 
     def plan(self, metadata: AttentionMetadata) -> None:
         """Mutates the persistent buffers. `metadata` is a decode-only step of batch_size."""
@@ -246,10 +284,12 @@ class CudaGraphDecodeAttention(_PagedAttention):
                 f"{metadata.host.query_lens.tolist()} tokens"
             )
         self.slot_mapping.copy_(metadata.slot_mapping, non_blocking=True)
-        self._plan_decode(self._wrapper, metadata)
+        for left, wrapper in self._wrappers.items():
+            self._plan_decode(wrapper, metadata, left)
 
     def forward(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """As FlashInferAttentionBackend.forward; safe to capture in a CUDA graph."""
-        return self._attend(self._wrapper, self.slot_mapping, layer_idx, q, k, v)
+        wrapper = self._wrappers[self.layer_lefts[layer_idx]]
+        return self._attend(wrapper, self.slot_mapping, layer_idx, q, k, v)

@@ -7,6 +7,8 @@ and used for every query head of the group.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from engine.attention.backend import write_kv
@@ -17,7 +19,16 @@ from engine.ops.loader import native_kernels
 class NativeCpuAttentionBackend:
     name = "cpu-native"
 
-    def __init__(self, kv_cache: torch.Tensor, num_heads: int, scale: float) -> None:
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        num_heads: int,
+        scale: float,
+        windows: Sequence[int | None] = (),
+        sinks: Sequence[torch.Tensor] = (),
+    ) -> None:
+        """`windows`: each layer's sliding window (None: none); empty: no layer has one.
+        `sinks`: each layer's sink logits (num_heads,); empty: none."""
         if kv_cache.device.type != "cpu":
             raise ValueError("the cpu-native attention backend needs the KV cache on the CPU")
         kernels = native_kernels()
@@ -29,6 +40,11 @@ class NativeCpuAttentionBackend:
         _, _, _, _, self.num_kv_heads, self.head_dim = kv_cache.shape
         self.num_heads = num_heads
         self.scale = scale
+        # The kernel's window argument per layer: 0 for none.
+        self.windows = [w or 0 for w in windows] or [0] * kv_cache.shape[0]
+        # The kernel's sinks argument per layer: float32, contiguous; None for none.
+        self.sinks: list[torch.Tensor | None] = [s.float().contiguous() for s in sinks]
+        self.sinks = self.sinks or [None] * kv_cache.shape[0]
         self._kernel = torch.ops.pagedserve.paged_attention
         self._slot_mapping = torch.empty(0, dtype=torch.long)
         self._metadata: tuple[torch.Tensor, ...] = ()  # qo_indptr, kv_indptr, kv_indices, last
@@ -60,5 +76,6 @@ class NativeCpuAttentionBackend:
         if q.stride(-1) != 1 or q.stride(-2) != self.head_dim:
             q = q.contiguous()
         out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (T, heads, head_dim)
-        self._kernel(out, q, k_cache, v_cache, *self._metadata, self.scale)
+        window, sinks = self.windows[layer_idx], self.sinks[layer_idx]  # isa None: the best
+        self._kernel(out, q, k_cache, v_cache, *self._metadata, self.scale, None, window, sinks)
         return out

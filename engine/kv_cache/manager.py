@@ -108,6 +108,21 @@ class KVCacheManager:
 
     The scheduler calls `get_computed_blocks` for a waiting request, then `allocate_slots`
     for every request it schedules, and `free` when a request finishes or is preempted.
+
+    With a `sliding_window` (a model whose every layer attends to the last `sliding_window`
+    tokens only), `allocate_slots` gives back the leading blocks that no query of the
+    request will see again, as vLLM's SlidingWindowManager does. A query at position p sees
+    p - window + 1..p, so once the step's first query is at position c, the blocks wholly
+    before c - window + 1 are freed (window 4, block size 4, c = 13):
+
+        positions  0-3  4-7  8-11  12-15       c - window + 1 = 10
+        blocks     b0   b1   b2    b3          b0 and b1 are freed, b2 on are kept
+
+    A freed block stays in the request's table (`req_to_blocks`, and the runner's block
+    table), so positions keep their page; the attention backends never read it, as it lies
+    outside every window. It keeps its hash until it is reused (lazy eviction), so a prefix
+    hit may still find it; a hit is a chain of blocks that are all still cached, so it
+    never relies on one that was reused.
     """
 
     def __init__(
@@ -116,6 +131,7 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         events: KVEventListener | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -128,6 +144,9 @@ class KVCacheManager:
         self.counters = PrefixCacheCounters()
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self._num_registered: dict[str, int] = {}
+        self.sliding_window = sliding_window
+        # Leading blocks of each request given back for being out of its window.
+        self._num_skipped: dict[str, int] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -163,8 +182,11 @@ class KVCacheManager:
         counters count each request once, at its first admission: a request resumed after
         preemption finds its own blocks again, which is no new traffic.
         """
-        if new_computed_blocks is None and self._fits_as_is(request, num_new_tokens):
-            return []
+        if new_computed_blocks is None:
+            # Blocks out of the window go back first, so they count as free space here.
+            self._free_out_of_window(request, request.num_computed_tokens)
+            if self._fits_as_is(request, num_new_tokens):
+                return []
         hits = list(new_computed_blocks or ())
         held = self.req_to_blocks.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(hits) * self.block_size
@@ -192,7 +214,38 @@ class KVCacheManager:
         self._num_registered[request.request_id] = self.prefix_cache.register(
             request, blocks, start, num_tokens
         )
+        self._free_out_of_window(request, num_computed)
         return new_blocks
+
+    def _free_out_of_window(self, request: Request, first_query: int) -> None:
+        """Gives back the request's blocks wholly before the window of its query at position
+        `first_query` (this step's first), and so of every later one; no-op without a window.
+        They are registered already: a block is cached once it is full and scheduled."""
+        if self.sliding_window is None:
+            return
+        rid = request.request_id
+        skip = max(0, first_query - self.sliding_window + 1) // self.block_size
+        done = self._num_skipped.get(rid, 0)
+        blocks = self.req_to_blocks.get(rid)
+        if blocks is None or skip <= done:
+            return
+        self.pool.free(reversed(blocks[done:skip]))
+        self._num_skipped[rid] = skip
+
+    def blocks_for_one_request(self, max_model_len: int, max_chunk: int) -> int:
+        """The most blocks one request of up to max_model_len tokens, scheduled in chunks of
+        up to max_chunk, holds at once: all of them, or with a sliding window, those of the
+        window before a chunk and the chunk's (one more where the window starts mid-block)."""
+        whole = cdiv(max_model_len, self.block_size)
+        if self.sliding_window is None:
+            return whole
+        return min(whole, cdiv(self.sliding_window - 1 + max_chunk, self.block_size) + 1)
+
+    def held_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        """The blocks the request holds a reference on: its table less the leading blocks
+        given back for being out of its window."""
+        blocks = self.req_to_blocks.get(request_id, [])
+        return blocks[self._num_skipped.get(request_id, 0) :]
 
     def _fits_as_is(self, request: Request, num_new_tokens: int) -> bool:
         """Whether a running request's next tokens need nothing of allocate_slots: they
@@ -212,8 +265,10 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Releases the request's blocks, tail first, so long chains go first."""
-        blocks = self.req_to_blocks.pop(request.request_id, [])
+        blocks = self.held_blocks(request.request_id)
+        self.req_to_blocks.pop(request.request_id, None)
         self._num_registered.pop(request.request_id, None)
+        self._num_skipped.pop(request.request_id, None)
         self.pool.free(reversed(blocks))
 
     def reset_prefix_cache(self) -> bool:
@@ -222,4 +277,4 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         """Raise AssertionError if block accounting is inconsistent (tests call this)."""
-        self.pool.check_invariants(held=list(self.req_to_blocks.values()))
+        self.pool.check_invariants(held=[self.held_blocks(rid) for rid in self.req_to_blocks])

@@ -38,7 +38,12 @@ class LoRAManager:
         self.layers: dict[tuple[int, str], LoRASlots] = {}
         slices = layer_slices(arch)
         for index, layer in enumerate(model.layers):
-            assert isinstance(layer, DecoderLayer)
+            if not isinstance(layer, DecoderLayer):
+                raise ValueError(
+                    f"--enable-lora: {type(layer).__name__} layers take no adapters yet (LoRA "
+                    "serves the Llama-family layers: Llama, Mistral, Qwen2/3, Qwen3-MoE and "
+                    "Mixtral attention, Phi-3 without partial rotary embeddings)"
+                )
             attn, mlp = layer.self_attn, layer.mlp
             targets = {"qkv_proj": attn.qkv_proj, "o_proj": attn.o_proj}
             if isinstance(mlp, MLP):  # not a mixture of experts' layer

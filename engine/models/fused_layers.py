@@ -70,6 +70,7 @@ def layer_weights(layer: Any, dense: bool = False) -> Any:
         attn.num_heads,
         attn.num_kv_heads,
         attn.head_dim,
+        attn.window or 0,
     )
 
 

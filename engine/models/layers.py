@@ -191,6 +191,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch
     the original context, where transformers uses those."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     rope_type = scaling.get("rope_type", "default")
+    if rope_type == "yarn":
+        return yarn_inv_freq(head_dim, theta, scaling)
     if rope_type == "longrope":
         return 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32) * theta**exponents)
     inv_freq = 1.0 / (theta**exponents)
@@ -208,6 +210,28 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     in_band = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
     return torch.where(in_band, blended, scaled)
+
+
+def yarn_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN's inverse frequencies, as transformers' _compute_yarn_parameters: interpolated
+    by `factor` below the band of dims that turn beta_slow..beta_fast times over the
+    original context, extrapolated (kept) above it, blended linearly across it."""
+    factor, original = float(scaling["factor"]), scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
 def rotate_half_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
@@ -279,14 +303,22 @@ class RotaryEmbedding(nn.Module):
         return table
 
 
-class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused into one layer."""
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """(..., 2 * I) -> (..., I): gelu(first half, tanh approximation) * second half."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused into one layer; with
+    `act="gelu_tanh"`, GeGLU (Gemma 3): gelu in place of silu."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu") -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size)
         self.down_proj = Linear(intermediate_size, hidden_size)
+        self.act_and_mul = gelu_tanh_and_mul if act == "gelu_tanh" else native_ops.silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(native_ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))

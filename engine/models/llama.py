@@ -1,6 +1,6 @@
 """A Llama-family decoder written for paged attention.
 
-One class covers Llama 2/3, SmolLM2, TinyLlama, Mistral (no sliding window), Qwen2 (qkv
+One class covers Llama 2/3, SmolLM2, TinyLlama, Mistral (sliding window), Qwen2 (qkv
 bias), Qwen3 (q/k RMSNorm), Phi-3 (longrope, partial rotary embeddings), and the
 mixture-of-experts Qwen3-MoE and Mixtral (sparse MLPs: engine/models/moe.py). Inputs are a
 flat batch of tokens from many requests; the attention backend, passed in explicitly, knows
@@ -46,9 +46,16 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads = arch.num_heads, arch.num_kv_heads
         self.head_dim = arch.head_dim
+        self.window = arch.layer_windows[layer_idx]  # the backend applies it; fused layers too
         self.q_size, self.kv_size = arch.q_size, arch.kv_size
         self.qkv_proj = Linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size, arch.qkv_bias)
-        self.o_proj = Linear(arch.q_size, arch.hidden_size)
+        self.o_proj = Linear(arch.q_size, arch.hidden_size, arch.o_bias)
+        # gpt-oss: each head's sink logit, which the attention backend applies.
+        self.sinks = (
+            nn.Parameter(torch.empty(arch.num_heads), requires_grad=False)
+            if arch.attention_sinks
+            else None
+        )
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
 
@@ -103,8 +110,15 @@ class DecoderModel(nn.Module):
     """forward: token ids and positions -> final hidden states; compute_logits on a subset.
 
     Without `lm_head` (an embedding model: its hidden states are the output) there are no
-    logits to compute, and no head weight, tied or not.
+    logits to compute, and no head weight, tied or not. A subclass with other layers
+    (gemma3.py) overrides `make_layer`, and sets `fuses_layers` False where the native layer
+    op (fused_layers.py) does not compute them.
     """
+
+    fuses_layers = True
+
+    def make_layer(self, arch: ModelArch, layer_idx: int) -> nn.Module:
+        return DecoderLayer(arch, layer_idx)
 
     def __init__(self, arch: ModelArch, lm_head: bool = True) -> None:
         super().__init__()
@@ -116,7 +130,7 @@ class DecoderModel(nn.Module):
         self.rotary = RotaryEmbedding(
             arch.head_dim, arch.rope_theta, arch.rope_scaling, arch.rotary_dim
         )
-        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = (
             None
@@ -137,6 +151,12 @@ class DecoderModel(nn.Module):
         # Multi-LoRA (engine/lora): the step's adapter segments, which the layers' Linear
         # layers (or the native ops, which hold the same slots) apply.
         self.lora_step: LoRAStep | None = None
+
+    def layer_sinks(self) -> list[torch.Tensor]:
+        """Each layer's attention sinks (num_heads,), for the attention backend; empty for a
+        model without them."""
+        sinks = [getattr(layer.self_attn, "sinks", None) for layer in self.layers]
+        return [s.detach() for s in sinks if s is not None]
 
     def quantize_embedding(self, weight: QuantizedWeight) -> None:
         """Looks tokens up in `weight` from now on (the float table is dropped)."""
@@ -177,9 +197,10 @@ class DecoderModel(nn.Module):
         self.build_fused_layers(dense_copy)
 
     def build_fused_layers(self, dense_copy: bool) -> None:
-        """The layers as native ops (dense MLPs only), where they can run so; again after
-        LoRA slots are attached to the layers (engine/lora), so that the ops carry them."""
-        if fused_layers_available(self.norm.weight) and not self.arch.is_moe:
+        """The layers as native ops (dense MLPs only, where the model's layers are ours),
+        where they can run so; again after LoRA slots are attached to the layers
+        (engine/lora), so that the ops carry them."""
+        if fused_layers_available(self.norm.weight) and not self.arch.is_moe and self.fuses_layers:
             self.fused_layers = FusedLayers([layer_weights(layer) for layer in self.layers])
             if dense_copy:
                 self.fused_dense_layers = FusedLayers(

@@ -14,7 +14,9 @@ from tqdm import tqdm
 
 from engine.config import QuantConfig
 from engine.models.arch import ModelArch
+from engine.models.gemma3 import Gemma3Model, is_gemma3_norm
 from engine.models.gguf_weights import iter_gguf
+from engine.models.gpt_oss import GptOssModel
 from engine.models.hf_config import (
     eos_token_ids,
     find_gguf_weights,
@@ -63,7 +65,8 @@ def load_model(
         quant.method == "gguf" or not any(folder.glob("*.safetensors"))
     )
     check_weights(arch, quant, use_gguf)
-    decoder = DecoderModel(arch, lm_head).to(dtype)
+    model_class = _MODEL_CLASSES.get(arch.model_type, DecoderModel)
+    decoder = model_class(arch, lm_head).to(dtype)
     tensors = (
         iter_gguf(gguf, arch, keep_quantized=quant.method == "gguf")
         if use_gguf and gguf is not None
@@ -79,10 +82,16 @@ def load_model(
     return decoder, arch
 
 
+# The model types whose decoder is not llama.py's own.
+_MODEL_CLASSES: dict[str, type[DecoderModel]] = {
+    "gemma3_text": Gemma3Model,
+    "gpt_oss": GptOssModel,
+}
+
 # llama.cpp architectures whose GGUF tensors iter_gguf does not map: Phi-3's files fuse the
 # attention's and the MLP's projections (attn_qkv, a double-height ffn_up) and hold longrope's
-# factors as tensors.
-_GGUF_UNMAPPED = ("phi3",)
+# factors as tensors; Gemma 3's have norms iter_gguf does not name, gpt-oss's MXFP4 experts.
+_GGUF_UNMAPPED = ("phi3", "gemma3_text", "gpt_oss")
 
 
 def check_weights(arch: ModelArch, quant: QuantConfig, use_gguf: bool) -> None:
@@ -138,7 +147,12 @@ class WeightLoader:
         self.shards: dict[str, list[tuple[int, QuantizedWeight]]] = {}
 
     def load(self, tensors: Iterator[tuple[str, torch.Tensor | QuantizedWeight]]) -> None:
+        # gpt-oss keeps its experts stacked, as transformers stores them.
+        split_experts = self.arch.model_type != "gpt_oss"
         for checkpoint_name, checkpoint_tensor in tensors:
+            if not split_experts:
+                self._load_one(checkpoint_name, checkpoint_tensor)
+                continue
             for name, tensor in expert_tensors(checkpoint_name, checkpoint_tensor):
                 self._load_one(name, tensor)
         for target, shards in self.shards.items():
@@ -175,6 +189,9 @@ class WeightLoader:
         dest = param.data if rows is None else param.data[rows[0] : rows[1]]
         if dest.shape != tensor.shape:
             raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+        if self.arch.model_type == "gemma3_text" and is_gemma3_norm(name):
+            assert isinstance(tensor, torch.Tensor)
+            tensor = tensor.float() + 1.0  # Gemma 3's norms scale by (1 + weight)
         if isinstance(tensor, QuantizedWeight):
             self.shards.setdefault(target, []).append((0 if rows is None else rows[0], tensor))
         else:

@@ -54,6 +54,11 @@ def check_shardable(arch: ModelArch, size: int) -> None:
     """Raises ValueError naming the first dimension that does not split `size` ways."""
     if size < 1:
         raise ValueError(f"--tensor-parallel-size must be positive, got {size}")
+    if arch.model_type == "gemma3_text" and size > 1:
+        raise ValueError(
+            f"--tensor-parallel-size {size} cannot shard a Gemma 3 model (its shards would need "
+            "its own layers); use --tensor-parallel-size 1"
+        )
     if arch.is_moe and size > 1:
         raise ValueError(
             f"--tensor-parallel-size {size} cannot shard a mixture-of-experts model "

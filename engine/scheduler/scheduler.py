@@ -32,7 +32,10 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
-        if kv_cache.num_blocks * kv_cache.block_size < config.max_model_len:
+        needed = kv_cache.blocks_for_one_request(
+            config.max_model_len, config.max_num_batched_tokens
+        )
+        if kv_cache.num_blocks < needed:
             raise ValueError(
                 f"the KV cache holds {kv_cache.num_blocks * kv_cache.block_size} tokens, "
                 f"fewer than max_model_len={config.max_model_len}: one request could never fit"

@@ -141,10 +141,11 @@ class CudaGraphRunner:
         return CudaGraphDecodeAttention(
             self.kv_cache,
             arch.num_heads,
-            arch.head_dim**-0.5,
+            arch.attention_scale,
             buffers,
             self._workspace,
             self._flashinfer,
+            arch.layer_windows,
         )
 
     def _capture_all(self) -> dict[int, _Graph]:

@@ -80,7 +80,15 @@ def cache_and_backend(
         param.dtype,
         param.device,
     )
-    return kv_cache, create_backend(backend_name, kv_cache, arch.num_heads, arch.head_dim**-0.5)
+    backend = create_backend(
+        backend_name,
+        kv_cache,
+        arch.num_heads,
+        arch.attention_scale,
+        arch.layer_windows,
+        model.layer_sinks(),
+    )
+    return kv_cache, backend
 
 
 @torch.inference_mode()

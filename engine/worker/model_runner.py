@@ -166,7 +166,12 @@ class ModelRunner:
         )
         self.profiler = profiler or StepProfiler(enabled=False)
         backend = create_backend(
-            device_config.attention_backend, self.kv_cache, arch.num_heads, arch.head_dim**-0.5
+            device_config.attention_backend,
+            self.kv_cache,
+            arch.num_heads,
+            arch.attention_scale,
+            arch.layer_windows,
+            model.layer_sinks(),
         )
         self.backend = self.profiler.wrap_backend(backend)
         on_cpu = self.device.type == "cpu"

@@ -119,7 +119,7 @@ def resolve_device_config(args: EngineArgs, arch: ModelArch) -> DeviceConfig:
     check_parallel_devices(args.tensor_parallel_size, device)
     kernels = resolve_kernels(args.cpu_isa, device)
     dtype = resolve_dtype(args.dtype, device)
-    backend = resolve_backend(args.attention_backend, device, dtype)
+    backend = resolve_backend(args.attention_backend, device, dtype, arch.attention_sinks)
     sizes, graphs_off = cuda_graph_plan(args, device, backend.name, arch)
     # Each rank runs on its own cores.
     threads = args.num_threads or max(1, available_cpus() // args.tensor_parallel_size)

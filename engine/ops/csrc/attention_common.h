@@ -122,10 +122,29 @@ struct ItemKeys {
   bool save;    // the item saves its states (a shared-prefix item or a part) for later
 };
 
-inline ItemKeys keys_of(const Span& sp, const WorkItem& it) {
+// The first key that query row i (of a request with `computed` cached keys) sees: 0, or
+// with a sliding window of `window` keys, the window's first.
+inline int64_t first_visible_key(int64_t computed, int64_t i, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, computed + i + 1 - window) : 0;
+}
+
+// The page-aligned key from which a walk over the keys of rows row_begin.. must start: the
+// keys before it lie outside every such row's window (with no window, key 0).
+inline int64_t first_walked_key(int64_t computed, int64_t row_begin, int64_t window,
+                                int64_t block_size) {
+  const int64_t first = first_visible_key(computed, row_begin, window);
+  return first - first % block_size;
+}
+
+template <typename T>
+ItemKeys keys_of(const Problem<T>& pb, const Span& sp, const WorkItem& it) {
   if (it.shared_keys > 0) return {0, it.shared_keys, true, true};
   if (it.part >= 0) return {it.key_begin, it.key_end, false, true};
-  return {it.key_begin, sp.computed + it.row_end, false, false};
+  // Shared prefixes are never planned with a window (find_shared_prefixes), so an item
+  // that starts past key 0 only ever does so for its window.
+  const int64_t begin = std::max<int64_t>(
+      it.key_begin, first_walked_key(sp.computed, it.row_begin, pb.window, pb.block_size));
+  return {begin, sp.computed + it.row_end, false, false};
 }
 
 // Keys that query row i (of a request with `computed` cached keys) sees in the chunk
@@ -136,6 +155,13 @@ inline int visible_keys(int64_t computed, int64_t i, int64_t c, int n) {
 
 inline int visible_keys(const ItemKeys& keys, int64_t computed, int64_t i, int64_t c, int n) {
   return keys.shared ? n : visible_keys(computed, i, c, n);
+}
+
+// Keys of that chunk before row i's sliding window (0 without one): the row sees the
+// chunk's keys from this one up to visible_keys.
+inline int keys_before_window(int64_t window, int64_t computed, int64_t i, int64_t c, int n) {
+  return static_cast<int>(
+      std::clamp<int64_t>(first_visible_key(computed, i, window) - c, 0, n));
 }
 
 // The saved online-softmax state of row i (from the span's first row) and one head.
@@ -186,6 +212,13 @@ void save_states(const Problem<T>& pb, const WorkItem& it, const Span& sp, int64
     st[D] = s.row_max[first + m];
     st[D + 1] = s.row_sum[first + m];
   }
+}
+
+// The softmax denominator of an online-softmax state of `head` whose running max and sum
+// are mx and sum: the sum, plus exp(sink - mx) with attention sinks.
+template <typename T>
+float denominator(const Problem<T>& pb, int64_t head, float mx, float sum) {
+  return pb.sinks != nullptr ? sum + std::exp(pb.sinks[head] - mx) : sum;
 }
 
 inline float to_float(float x) { return x; }

@@ -143,6 +143,10 @@ inline void for_register_blocks(int64_t begin, int64_t end, Fn&& f) {
 // 0 <= m < M, against that head's keys, kChunk keys per step. Head hl (from the item's
 // first) keeps its vectors' states in scratch from vector hl * M on, and its widened chunk
 // of keys and values at hl * kChunk rows. head_dim = W * DV (DV = 0: known at run time).
+// Subtracted from the scores of keys before a row's sliding window: finite (so no inf - inf
+// can make a NaN), and far below any score a row sees.
+constexpr float kFarBelow = 1e30f;
+
 template <class V, typename T, int DV>
 class AttentionItem {
   using F = typename V::F;
@@ -164,7 +168,7 @@ class AttentionItem {
 
  public:
   AttentionItem(const Problem<T>& pb, const WorkItem& it, Scratch& s)
-      : pb_(pb), it_(it), s_(s), sp_(span_of(pb, it.req)), keys_(keys_of(sp_, it)),
+      : pb_(pb), it_(it), s_(s), sp_(span_of(pb, it.req)), keys_(keys_of(pb, sp_, it)),
         D_(pb.head_dim), NV_(DV > 0 ? DV : pb.head_dim / W),
         M_((it.row_end - it.row_begin) * pb.group), H_(it.kv_heads),
         // One head's float32 rows are read where they lie; anything else is widened, and
@@ -261,17 +265,24 @@ class AttentionItem {
     std::fill(raw_rows + n, raw_rows + kChunk, raw_rows[0]);
     const F scale = V::set1(pb_.scale);
     for (int64_t m = hl * M_; m < (hl + 1) * M_; ++m) {
-      const int cnt = visible_keys(keys_, sp_.computed, row_of(m - hl * M_), c, n);
+      const int64_t row = row_of(m - hl * M_);
+      const int cnt = visible_keys(keys_, sp_.computed, row, c, n);
+      // The row sees keys before..cnt of the chunk; before > 0 only with a sliding window.
+      const int before =
+          keys_.shared ? 0 : keys_before_window(pb_.window, sp_.computed, row, c, n);
       F p[kGroups];
 #pragma GCC unroll 16
       for (int g = 0; g < kGroups; ++g) p[g] = V::zero();
       s_.alpha[m] = 1.0f;
-      if (cnt > 0) {  // else the whole chunk is in this row's future
+      if (cnt > before) {  // else the whole chunk is in this row's future or past
         F sc[kGroups];
         F highest = V::set1(kNegInf);
 #pragma GCC unroll 16
         for (int g = 0; g < kGroups; ++g) {
           sc[g] = V::mul(scores(hl, m - hl * M_, chunk_keys<kRaw>(hl, raw_rows, g * W)), scale);
+          // Scores before the window are pushed far below any the row sees, which leaves
+          // the max to those (the chunk has one), and their exp to 0 after the mask below.
+          if (before > 0) sc[g] = V::sub(sc[g], V::keep_first(V::set1(kFarBelow), before - g * W));
           highest = V::max(highest, V::low_first(sc[g], cnt - g * W));
         }
         const float mx = std::max(s_.row_max[m], V::reduce_max(highest));
@@ -279,6 +290,7 @@ class AttentionItem {
 #pragma GCC unroll 16
         for (int g = 0; g < kGroups; ++g) {
           p[g] = V::keep_first(V::exp(V::sub(sc[g], V::set1(mx))), cnt - g * W);
+          if (before > 0) p[g] = V::sub(p[g], V::keep_first(p[g], before - g * W));
           total = V::add(total, p[g]);
         }
         if (mx != s_.row_max[m]) s_.alpha[m] = std::exp(s_.row_max[m] - mx);
@@ -357,7 +369,9 @@ class AttentionItem {
   void write_outputs(int64_t hl) {
     for (int64_t m = 0; m < M_; ++m) {
       T* dst = pb_.out + (sp_.q_begin + row_of(m)) * pb_.out_stride + head_of(hl, m) * D_;
-      const F inv = V::set1(1.0f / s_.row_sum[hl * M_ + m]);
+      const int64_t v = hl * M_ + m;
+      const float sum = denominator(pb_, head_of(hl, m), s_.row_max[v], s_.row_sum[v]);
+      const F inv = V::set1(1.0f / sum);
       const float* acc = &s_.acc[(hl * M_ + m) * D_];
 #pragma GCC unroll 16
       for (int64_t d = 0; d < vecs(); ++d) {

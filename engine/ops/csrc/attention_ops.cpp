@@ -3,7 +3,8 @@
 // Request r owns query rows qo_indptr[r]..qo_indptr[r+1] of the flat batch and the pages
 // kv_indices[kv_indptr[r]..kv_indptr[r+1]] of an NHD cache (blocks, block_size, kv_heads,
 // head_dim). Its KV length is (pages - 1) * block_size + kv_last_page_len[r], and query i
-// of its q_len rows sits at position kv_len - q_len + i and sees keys 0..kv_len - q_len + i.
+// of its q_len rows sits at position kv_len - q_len + i and sees keys 0..kv_len - q_len + i
+// (with a sliding window of w keys, only the last w of those: Problem::window).
 //
 // Work is split into items (request, kv_head, tile of query rows; a long decode's keys also
 // into parts, merged at the end: see kSplitMinKeys). An item loads each key/value row once,
@@ -38,6 +39,8 @@
 namespace pagedserve {
 namespace {
 
+using PAGEDSERVE_ISA::denominator;
+using PAGEDSERVE_ISA::first_walked_key;
 using PAGEDSERVE_ISA::part_state;
 using PAGEDSERVE_ISA::span_of;
 
@@ -103,7 +106,8 @@ struct SharedPrefix {
 template <typename T>
 std::vector<SharedPrefix> find_shared_prefixes(const Problem<T>& pb, int64_t num_reqs) {
   std::vector<SharedPrefix> runs;
-  if (pb.block_size % kChunk != 0) return runs;
+  // With a sliding window, rows do not see a shared prefix in full.
+  if (pb.block_size % kChunk != 0 || pb.window > 0) return runs;
   const int32_t* pages = pb.kv_indices;
   // Pages of request r that every one of its rows sees in full.
   auto seen_pages = [&](int64_t r) { return span_of(pb, r).computed / pb.block_size; };
@@ -168,7 +172,8 @@ struct SplitDecode {
 };
 
 // The keys per part of a decode over kv_len keys (whole pages and whole chunks of 16), or
-// 0 if it is not split.
+// 0 if it is not split. With a sliding window, kv_len counts the keys from the page its
+// window starts in.
 int64_t part_keys(int64_t kv_len, int64_t block_size) {
   if (kv_len < kSplitMinKeys) return 0;
   const int64_t parts = std::min<int64_t>(kMaxParts, kv_len / kPartKeys);
@@ -192,13 +197,15 @@ std::vector<WorkItem> plan_items(const Problem<T>& pb, int64_t num_reqs,
   for (int64_t r = 0; r < num_reqs; ++r) {
     const int64_t q_len = pb.qo_indptr[r + 1] - pb.qo_indptr[r];
     const int64_t computed = span_of(pb, r).computed;
+    // Keys before `first` lie outside the window of every query row of the request.
+    const int64_t first = first_walked_key(computed, 0, pb.window, pb.block_size);
     const int64_t split_keys =
-        q_len == 1 && key_begin[r] == 0 ? part_keys(computed + 1, pb.block_size) : 0;
+        q_len == 1 && key_begin[r] == 0 ? part_keys(computed + 1 - first, pb.block_size) : 0;
     if (split_keys > 0) {
       const int64_t kv_len = computed + 1, heads = max_heads_per_item(pb, 1);
       const auto split = static_cast<int32_t>(splits.size());
-      splits.push_back({pb.qo_indptr[r], (kv_len + split_keys - 1) / split_keys});
-      for (int64_t k0 = 0, part = 0; k0 < kv_len; k0 += split_keys, ++part) {
+      splits.push_back({pb.qo_indptr[r], (kv_len - first + split_keys - 1) / split_keys});
+      for (int64_t k0 = first, part = 0; k0 < kv_len; k0 += split_keys, ++part) {
         const int64_t k1 = std::min(kv_len, k0 + split_keys);
         for (int64_t h = 0; h < pb.num_kv_heads; h += heads) {
           WorkItem item{static_cast<int32_t>(r), static_cast<int32_t>(h), 0, 1};
@@ -217,7 +224,10 @@ std::vector<WorkItem> plan_items(const Problem<T>& pb, int64_t num_reqs,
       const int64_t i1 = std::min(q_len, i0 + rows);
       // Key rows visited times query vectors, plus a fixed cost per item.
       const int64_t heads = heads_per_item(pb, num_reqs, i1 - i0);
-      const int64_t cost = (i1 - i0) * pb.group * heads * (computed + i1 - key_begin[r]) + 256;
+      const int64_t walked =
+          computed + i1 - std::max(key_begin[r], first_walked_key(computed, i0, pb.window,
+                                                                  pb.block_size));
+      const int64_t cost = (i1 - i0) * pb.group * heads * walked + 256;
       for (int64_t h = 0; h < pb.num_kv_heads; h += heads) {
         WorkItem item{static_cast<int32_t>(r), static_cast<int32_t>(h),
                       static_cast<int32_t>(i0), static_cast<int32_t>(i1)};
@@ -274,7 +284,7 @@ void merge_parts(const Problem<T>& pb, const std::vector<SplitDecode>& splits) {
         weight[p] = std::exp(st[D] - mx);
         sum += st[D + 1] * weight[p];
       }
-      const float inv = 1.0f / sum;
+      const float inv = 1.0f / denominator(pb, head, mx, sum);
       T* dst = pb.out + split.row * pb.out_stride + head * D;
       for (int64_t d = 0; d < D; ++d) {
         float acc = 0.f;
@@ -346,7 +356,13 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
                      const at::Tensor& v_cache, const at::Tensor& qo_indptr,
                      const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
                      const at::Tensor& kv_last_page_len, double scale,
-                     const std::optional<std::string>& isa) {
+                     const std::optional<std::string>& isa, int64_t window,
+                     const std::optional<at::Tensor>& sinks) {
+  TORCH_CHECK(window >= 0, "paged_attention: window must be 0 (none) or positive");
+  TORCH_CHECK(!sinks.has_value() ||
+                  (sinks->device().is_cpu() && sinks->scalar_type() == at::kFloat &&
+                   sinks->is_contiguous() && sinks->dim() == 1 && sinks->size(0) == q.size(1)),
+              "paged_attention: sinks must be a contiguous float32 CPU tensor of num_heads");
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(),
               "paged_attention: q and out must be (T, H, D)");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
@@ -370,12 +386,14 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
                  k_cache.size(1));
   auto launch = [&](auto tag) {
     using T = decltype(tag);
-    const Problem<T> pb{q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+    Problem<T> pb{q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
                         out.data_ptr<T>(), q.stride(0), out.stride(0),
                         qo_indptr.data_ptr<int32_t>(), kv_indptr.data_ptr<int32_t>(),
                         kv_indices.data_ptr<int32_t>(), kv_last_page_len.data_ptr<int32_t>(),
                         Hkv, D, k_cache.size(1), H / Hkv, static_cast<float>(scale),
                         nullptr};
+    pb.window = window;
+    pb.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
     run(pb, kv_last_page_len.size(0), q.size(0), kernels_for(isa));
   };
   dispatch_dtype(q.scalar_type(), "paged_attention", launch);
@@ -412,11 +430,13 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def(
       "shared_prefixes(Tensor qo_indptr, Tensor kv_indptr, Tensor kv_indices, "
       "Tensor kv_last_page_len, int block_size) -> Tensor");
-  // isa: run this instruction set's kernels instead of the CPU's best (for tests).
+  // isa: run this instruction set's kernels instead of the CPU's best (for tests). window:
+  // a sliding window of that many keys (0: none; see Problem::window). sinks: a float32
+  // logit per query head in each softmax's denominator (Problem::sinks).
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
       "Tensor qo_indptr, Tensor kv_indptr, Tensor kv_indices, Tensor kv_last_page_len, "
-      "float scale, str? isa=None) -> ()");
+      "float scale, str? isa=None, int window=0, Tensor? sinks=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {

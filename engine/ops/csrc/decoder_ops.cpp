@@ -106,16 +106,18 @@ struct LayerWeights : torch::CustomClassHolder {
   std::optional<at::Tensor> q_norm, k_norm;  // Qwen3
   double eps;
   int64_t num_heads, num_kv_heads, head_dim;
+  int64_t window;  // the layer's sliding window in keys (0: none)
 
   LayerWeights(c10::intrusive_ptr<LinearWeights> qkv, c10::intrusive_ptr<LinearWeights> o_proj,
                c10::intrusive_ptr<LinearWeights> gate_up, c10::intrusive_ptr<LinearWeights> down,
                at::Tensor input_norm, at::Tensor post_norm, std::optional<at::Tensor> q_norm,
                std::optional<at::Tensor> k_norm, double eps, int64_t num_heads,
-               int64_t num_kv_heads, int64_t head_dim)
+               int64_t num_kv_heads, int64_t head_dim, int64_t window)
       : qkv(std::move(qkv)), o_proj(std::move(o_proj)), gate_up(std::move(gate_up)),
         down(std::move(down)), input_norm(std::move(input_norm)),
         post_norm(std::move(post_norm)), q_norm(std::move(q_norm)), k_norm(std::move(k_norm)),
-        eps(eps), num_heads(num_heads), num_kv_heads(num_kv_heads), head_dim(head_dim) {}
+        eps(eps), num_heads(num_heads), num_kv_heads(num_kv_heads), head_dim(head_dim),
+        window(window) {}
 };
 
 // A model's layers in order, for decoder_layers: built once at load time.
@@ -169,7 +171,8 @@ const auto& paged_attention_op() {
           .findSchemaOrThrow("pagedserve::paged_attention", "")
           .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                       const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                      const at::Tensor&, const at::Tensor&, double, const OptString&)>();
+                      const at::Tensor&, const at::Tensor&, double, const OptString&,
+                      int64_t, const std::optional<at::Tensor>&)>();
   return op;
 }
 
@@ -326,7 +329,7 @@ at::Tensor attention(const LayerWeights& w, const at::Tensor& h, const at::Tenso
   {
     const KernelTimer timer(&g_attention_ns);
     paged_attention_op().call(out, q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices,
-                              kv_last_page_len, scale, std::nullopt);
+                              kv_last_page_len, scale, std::nullopt, w.window, std::nullopt);
   }
   return linear(out.reshape({T, q_size}), *w.o_proj);
 }
@@ -404,7 +407,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
                        c10::intrusive_ptr<pagedserve::LinearWeights>,
                        c10::intrusive_ptr<pagedserve::LinearWeights>, at::Tensor, at::Tensor,
                        std::optional<at::Tensor>, std::optional<at::Tensor>, double, int64_t,
-                       int64_t, int64_t>());
+                       int64_t, int64_t, int64_t>());
   m.class_<pagedserve::DecoderStack>("DecoderStack")
       .def(torch::init<>())
       .def("append", &pagedserve::DecoderStack::append);

@@ -59,6 +59,12 @@ struct Problem {
   // The states of the long decodes' parts (WorkItem::part), which attention_ops.cpp
   // merges: per (split decode, head, part), laid out like `state`.
   float* parts = nullptr;
+  // A sliding window of this many keys (0: none): the query at position p sees only keys
+  // p - window + 1..p, as transformers' sliding_window (kv_idx > q_idx - window).
+  int64_t window = 0;
+  // Attention sinks (gpt-oss), one logit per query head, or none: each head's softmax
+  // denominator gains exp(sink), on the scale of the scaled scores.
+  const float* sinks = nullptr;
 };
 
 // Parts a long decode's keys may be split into (WorkItem::part).

@@ -143,12 +143,18 @@ def check_plan(call: Call, md: AttentionMetadata) -> None:
         assert call.kwargs == {
             "causal": True,
             "sm_scale": SCALE,
+            "window_left": -1,
             "q_data_type": DTYPE,
             "kv_data_type": DTYPE,
         }
     else:
         kv, indices, last, *geometry = call.args
-        assert call.kwargs == {"q_data_type": DTYPE, "kv_data_type": DTYPE, "sm_scale": SCALE}
+        assert call.kwargs == {
+            "q_data_type": DTYPE,
+            "kv_data_type": DTYPE,
+            "sm_scale": SCALE,
+            "window_left": -1,
+        }
     assert torch.equal(kv, md.kv_indptr)
     assert indices is md.kv_indices
     assert torch.equal(last, md.kv_last_page_len)

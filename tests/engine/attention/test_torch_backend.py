@@ -59,15 +59,23 @@ def test_decode_metadata_equals_the_general_path(seed: int) -> None:
 
 
 def dense_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, computed: int, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    computed: int,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """q: (q_len, H, D) for positions computed.., k/v: (kv_len, Hkv, D), all in float64."""
+    """q: (q_len, H, D) for positions computed.., k/v: (kv_len, Hkv, D), all in float64;
+    with a `window`, a query at position p sees only keys p - window + 1..p."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1).double()
     v = v.repeat_interleave(group, dim=1).double()
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
     q_pos = torch.arange(q.shape[0])[:, None] + computed
     visible = torch.arange(k.shape[0])[None, :] <= q_pos
+    if window is not None:
+        visible &= torch.arange(k.shape[0])[None, :] > q_pos - window
     scores = scores.masked_fill(~visible, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 

@@ -115,6 +115,24 @@ def test_a_scoped_salt_is_published_without_its_scope() -> None:
     assert published_salt("plain") == "plain"
 
 
+def test_an_adapters_blocks_carry_its_id_and_name() -> None:
+    """vLLM's BlockStored lora_id (position 5) and lora_name (7): an adapter's blocks are
+    its own, hashed apart from the base model's and from another load of the same name."""
+    from engine.lora import LoRARequest
+
+    recorder = KVEventRecorder(B)
+    manager = KVCacheManager(num_blocks=8, block_size=B, events=recorder)
+    tokens = list(range(10, 14))
+    loras = [None, LoRARequest("sql", 3, "/a/sql"), LoRARequest("sql", 4, "/a/sql")]
+    for i, lora in enumerate(loras):
+        req = request(str(i), tokens)
+        req.lora = lora
+        manager.allocate_slots(req, 4, [])
+    stored = decoded(recorder)[1]
+    assert [(event[5], event[7]) for event in stored] == [(None, None), (3, "sql"), (4, "sql")]
+    assert len({event[1][0] for event in stored}) == 3
+
+
 def test_removed_after_eviction_and_cleared_on_reset() -> None:
     recorder = KVEventRecorder(B)
     manager = KVCacheManager(num_blocks=3, block_size=B, events=recorder)

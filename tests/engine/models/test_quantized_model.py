@@ -43,7 +43,10 @@ def all_logits(model: DecoderModel, ids: torch.Tensor, chunk: int = 0) -> torch.
     cache = allocate_kv_cache(
         arch.num_layers, pages, block, arch.num_kv_heads, arch.head_dim, torch.float32, "cpu"
     )
-    backend = TorchAttentionBackend(cache, arch.num_heads, arch.head_dim**-0.5)
+    sinks = model.layer_sinks()
+    backend = TorchAttentionBackend(
+        cache, arch.num_heads, arch.attention_scale, arch.layer_windows, sinks
+    )
     step = chunk or len(ids)
     logits = []
     with torch.inference_mode():
