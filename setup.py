@@ -43,6 +43,7 @@ ENTRY_POINTS = (
     "quant_ops.cpp",
     "bf16_linear_ops.cpp",
     "decoder_ops.cpp",
+    "moe_ops.cpp",
 )
 KERNELS = (
     "attention_kernels.cpp",

@@ -170,8 +170,10 @@ class DecoderModel(nn.Module):
             # A plain float head that no kernel lays out stays where it is (no second handle).
             if layer.weight is None or self.quantized_head is not None:
                 self.dense_head = layer
-        # The native layer op runs dense MLPs only.
-        if fused_layers_available(self.norm.weight) and not self.arch.is_moe:
+        if fused_layers_available(self.norm.weight):
+            for block in self.layers:
+                if isinstance(block.mlp, SparseMoE):
+                    block.mlp.pack_native()
             self.fused_layers = FusedLayers([layer_weights(layer) for layer in self.layers])
             if dense_copy:
                 self.fused_dense_layers = FusedLayers(

@@ -18,11 +18,12 @@ import torch
 
 from engine import LLM, EngineArgs
 from engine.config import resolve_model_config
+from engine.models import fused_layers
 from engine.models.arch import ModelArch
 from engine.models.loader import load_model
 from engine.models.moe import SparseMoE
-from tests.engine.models.arch_cases import MODES, ArchCase, check_mode, make_case
-from tests.engine.test_correctness import tiny_llm
+from tests.engine.models.arch_cases import MODES, PARAMS, ArchCase, check_mode, make_case
+from tests.engine.test_correctness import engine_tokens, tiny_llm
 from tests.tiny_models import make_config, make_tiny_model
 
 VARIANTS = {
@@ -46,6 +47,33 @@ def test_some_layers_are_sparse(moe: ArchCase) -> None:
 @pytest.mark.parametrize("mode", MODES)
 def test_greedy_matches_transformers(moe: ArchCase, mode: str) -> None:
     check_mode(moe, mode)
+
+
+# The op each attention backend runs the sparse MLPs through: with cpu-native (what the
+# greedy tests above run), every layer in one native op; with torch, SparseMoE.forward's.
+NATIVE_OPS = {"cpu-native": "_decoder_layers_op", "torch": "_sparse_moe_op"}
+
+
+@pytest.mark.parametrize("backend", list(NATIVE_OPS))
+def test_greedy_runs_the_native_experts(
+    moe: ArchCase, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sparse MLPs run natively (engine/ops/csrc/moe_ops.cpp), inside the layer stack
+    or alone, and give transformers' tokens."""
+    name = NATIVE_OPS[backend]
+    op, calls = getattr(fused_layers, name)(), []
+
+    def counted(*args: object) -> object:
+        calls.append(args)
+        return op(*args)
+
+    monkeypatch.setattr(fused_layers, name, lambda: counted)
+    llm = tiny_llm(moe.path, attention_backend=backend, enable_prefix_caching=False)
+    sparse = [layer.mlp for layer in llm.core.runner.model.layers]
+    sparse = [mlp for mlp in sparse if isinstance(mlp, SparseMoE)]
+    assert sparse and all(mlp.native is not None for mlp in sparse)
+    assert engine_tokens(llm, moe.prompts, PARAMS) == moe.reference
+    assert calls
 
 
 def test_sparse_layers_follow_transformers() -> None:
