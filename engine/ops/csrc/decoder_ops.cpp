@@ -12,6 +12,9 @@
 // It runs the cpu-native attention backend's computation (the K/V write through the slot
 // mapping, then paged attention over the CSR page table); other backends keep the Python
 // layer.
+//
+// A layer's MLP is dense (gate_up, SiLU-and-mul, down) or a sparse mixture of experts,
+// which moe_ops.cpp runs as SparseMoE.forward does.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>

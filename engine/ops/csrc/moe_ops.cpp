@@ -12,7 +12,11 @@
 //
 // The threads split each expert's projections (the linear kernels split their output tiles
 // over torch's threads), which at a decode step's single token is the only work there is
-// to split: the experts run one after the other.
+// to split. With bfloat16 tiles (every expert's weights laid out for bf16_linear), every
+// chosen expert's gate/up projection runs in one parallel region, and every down projection
+// in another: a thread that finishes its share of one expert's tiles goes on to claim the
+// next expert's (parallel.h's TileClaims), so the threads meet twice a layer, not twice an
+// expert, and a thread that the OS holds back delays only the tiles it holds.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -20,11 +24,13 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <tuple>
 #include <vector>
 
 #include "kernels.h"
 #include "layer_weights.h"
+#include "parallel.h"
 
 namespace pagedserve {
 namespace {
@@ -91,6 +97,94 @@ void add_scaled(T* out, T* y, const T* scale, const int64_t* pairs, int64_t coun
   });
 }
 
+// A chosen expert: its index, its pairs (Groups), their rows of x, its output rows.
+struct Chosen {
+  int64_t expert;
+  const int64_t* pairs;
+  int64_t count;
+  at::Tensor rows, y;  // (count, H) each
+};
+
+// One projection of a chosen expert on bfloat16 tiles: y (M, N) = x (M, K) W^T.
+struct TiledGemm {
+  Bf16Weight w;
+  const c10::BFloat16* x;
+  int64_t M;
+  c10::BFloat16* y;
+};
+
+// Whether every chosen expert's projections are plain bfloat16 tiles (no bias), for
+// tiled_gemms.
+bool all_tiled(const MoeWeights& w, const std::vector<Chosen>& chosen, const at::Tensor& x) {
+  if (x.scalar_type() != at::kBFloat16) return false;
+  for (const Chosen& c : chosen) {
+    for (const auto* lw : {w.gate_up[c.expert].get(), w.down[c.expert].get()}) {
+      if (lw->kind != kTiled || lw->bias.has_value()) return false;
+    }
+  }
+  return true;
+}
+
+// The gemm of x (M, K) and the tiled weight, y allocated here: the checks of bf16_linear.
+TiledGemm tiled_gemm(const LinearWeights& lw, const at::Tensor& x, at::Tensor& y) {
+  const at::Tensor& t = lw.weight;
+  TORCH_CHECK(t.dim() == 4 && t.is_contiguous() && t.size(2) == Bf16Weight::kTile &&
+                  t.size(3) == 2 && t.scalar_type() == at::kBFloat16 &&
+                  x.size(1) == 2 * t.size(1) && x.is_contiguous(),
+              "sparse_moe: an expert's tiled weight does not fit its input");
+  y = at::empty({x.size(0), lw.n}, x.options());
+  const Bf16Weight w{t.data_ptr<c10::BFloat16>(), lw.n, 2 * t.size(1)};
+  return {w, x.data_ptr<c10::BFloat16>(), x.size(0), y.data_ptr<c10::BFloat16>()};
+}
+
+// Every gemm in one parallel region: each thread claims runs of the first gemm's tiles
+// until none are left, then of the next one's. A decode step's runs are a thread's whole
+// share of a gemm (kClaimFlops, as parallel_tiles), so each thread streams its own part of
+// each expert's weights; at more rows, the runs shorten.
+void tiled_gemms(const std::vector<TiledGemm>& gemms, const Kernels& kernels) {
+  const int64_t threads = at::get_num_threads();
+  std::vector<std::unique_ptr<TileClaims>> claims;  // TileClaims holds an atomic
+  for (const TiledGemm& g : gemms) {
+    const int64_t tiles = g.w.tiles(), share = (tiles + threads - 1) / threads;
+    const int64_t flops_per_tile = 2 * g.M * g.w.K * Bf16Weight::kTile;
+    const int64_t min_chunk = std::min(share, kClaimFlops / std::max<int64_t>(1, flops_per_tile));
+    claims.push_back(std::make_unique<TileClaims>(0, tiles, min_chunk, threads));
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      for (size_t g = 0; g < gemms.size(); ++g) {
+        kernels.bf16_tiles(gemms[g].w, gemms[g].x, gemms[g].M, gemms[g].y, *claims[g]);
+      }
+    }
+  });
+}
+
+// Every chosen expert's SwiGLU MLP on its rows, into Chosen::y: on bfloat16 tiles, all the
+// experts' gate/up projections in one parallel region and all their down projections in
+// another; otherwise one expert at a time, each projection through linear.
+void run_experts(const MoeWeights& w, std::vector<Chosen>& chosen, const OptString& isa) {
+  if (!all_tiled(w, chosen, chosen.front().rows)) {
+    for (Chosen& c : chosen) {
+      const at::Tensor gate_up = linear(c.rows, *w.gate_up[c.expert], isa);
+      c.y = linear(silu_and_mul(gate_up, isa), *w.down[c.expert], isa);
+    }
+    return;
+  }
+  const Kernels& kernels = kernels_for(isa);
+  std::vector<at::Tensor> gate_up(chosen.size()), act(chosen.size());
+  std::vector<TiledGemm> gemms;
+  for (size_t i = 0; i < chosen.size(); ++i) {
+    gemms.push_back(tiled_gemm(*w.gate_up[chosen[i].expert], chosen[i].rows, gate_up[i]));
+  }
+  tiled_gemms(gemms, kernels);
+  gemms.clear();
+  for (size_t i = 0; i < chosen.size(); ++i) {
+    act[i] = silu_and_mul(gate_up[i], isa);
+    gemms.push_back(tiled_gemm(*w.down[chosen[i].expert], act[i], chosen[i].y));
+  }
+  tiled_gemms(gemms, kernels);
+}
+
 // SparseMoE.forward's routing, with its torch ops: (the chosen experts (T, top_k) int64,
 // their routing weights (T, top_k) in x's dtype).
 std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& x, const MoeWeights& w,
@@ -115,17 +209,22 @@ at::Tensor sparse_moe(const at::Tensor& x, const c10::intrusive_ptr<MoeWeights>&
   at::Tensor chosen, scales;  // (T, top_k) each
   std::tie(chosen, scales) = route(x, w, isa);
   const Groups groups = group_by_expert(chosen, w.num_experts());
+  std::vector<Chosen> experts;  // ascending
   for (int64_t e = 0; e < w.num_experts(); ++e) {
     const int64_t begin = groups.begin[e], count = groups.begin[e + 1] - begin;
     if (count == 0) continue;
     const int64_t* pairs = groups.pairs.data() + begin;
-    const at::Tensor rows = expert_rows(x, pairs, count, k);  // (count, H)
-    at::Tensor y = linear(silu_and_mul(linear(rows, *w.gate_up[e], isa), isa), *w.down[e], isa);
+    experts.push_back({e, pairs, count, expert_rows(x, pairs, count, k), at::Tensor()});
+  }
+  run_experts(w, experts, isa);
+  for (const Chosen& c : experts) {
+    const at::Tensor& y = c.y;
     TORCH_CHECK(y.is_contiguous() && y.size(1) == H && y.scalar_type() == x.scalar_type(),
                 "sparse_moe: an expert's output is not (rows, hidden) in x's dtype");
     dispatch_dtype(x.scalar_type(), "sparse_moe", [&](auto zero) {
       using T = decltype(zero);
-      add_scaled(out.data_ptr<T>(), y.data_ptr<T>(), scales.data_ptr<T>(), pairs, count, H, k);
+      add_scaled(out.data_ptr<T>(), y.data_ptr<T>(), scales.data_ptr<T>(), c.pairs, c.count,
+                 H, k);
     });
   }
   return out;
