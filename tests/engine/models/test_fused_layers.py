@@ -69,8 +69,11 @@ def test_native_layers_equal_python_layers(
     assert torch.equal(native_cache, python_cache)  # the same K/V written to the same slots
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize(
+    ("kind", "dtype"),
+    [("qwen3_moe", torch.float32), ("mixtral", torch.bfloat16)],
+    ids=["qwen3_moe-f32", "mixtral-bf16"],
+)
 def test_native_layers_with_sparse_mlps_equal_python_layers(
     tmp_path: Path, kind: str, dtype: torch.dtype
 ) -> None:

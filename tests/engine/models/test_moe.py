@@ -39,41 +39,33 @@ def moe(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     return make_case(kind, tmp_path_factory.mktemp(request.param), **overrides)
 
 
-def test_some_layers_are_sparse(moe: ArchCase) -> None:
-    llm = tiny_llm(moe.path)
-    assert any(isinstance(layer.mlp, SparseMoE) for layer in llm.core.runner.model.layers)
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_greedy_matches_transformers(moe: ArchCase, mode: str) -> None:
-    check_mode(moe, mode)
-
-
-# The op each attention backend runs the sparse MLPs through: with cpu-native (what the
-# greedy tests above run), every layer in one native op; with torch, SparseMoE.forward's.
-NATIVE_OPS = {"cpu-native": "_decoder_layers_op", "torch": "_sparse_moe_op"}
-
-
-@pytest.mark.parametrize("backend", list(NATIVE_OPS))
-def test_greedy_runs_the_native_experts(
-    moe: ArchCase, backend: str, monkeypatch: pytest.MonkeyPatch
+def test_some_layers_are_sparse_and_run_natively(
+    moe: ArchCase, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The sparse MLPs run natively (engine/ops/csrc/moe_ops.cpp), inside the layer stack
-    or alone, and give transformers' tokens."""
-    name = NATIVE_OPS[backend]
-    op, calls = getattr(fused_layers, name)(), []
+    """The greedy tests below run the sparse MLPs natively: every layer in the one-call
+    native stack (the cpu-native attention backend), the sparse MLPs through moe_ops.cpp.
+    (With other backends SparseMoE.forward calls that op alone: tests/engine/ops/
+    test_sparse_moe.py, and test_gguf_moe.py's logits.)"""
+    op, calls = fused_layers._decoder_layers_op(), []
 
     def counted(*args: object) -> object:
         calls.append(args)
         return op(*args)
 
-    monkeypatch.setattr(fused_layers, name, lambda: counted)
-    llm = tiny_llm(moe.path, attention_backend=backend, enable_prefix_caching=False)
-    sparse = [layer.mlp for layer in llm.core.runner.model.layers]
-    sparse = [mlp for mlp in sparse if isinstance(mlp, SparseMoE)]
+    monkeypatch.setattr(fused_layers, "_decoder_layers_op", lambda: counted)
+    llm = tiny_llm(moe.path)
+    assert llm.core.config.device.attention_backend == "cpu-native"
+    model = llm.core.runner.model
+    sparse = [layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoE)]
     assert sparse and all(mlp.native is not None for mlp in sparse)
-    assert engine_tokens(llm, moe.prompts, PARAMS) == moe.reference
+    assert model.fused_layers is not None and len(model.fused_layers) == len(model.layers)
+    assert engine_tokens(llm, moe.prompts[:1], PARAMS) == moe.reference[:1]
     assert calls
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_matches_transformers(moe: ArchCase, mode: str) -> None:
+    check_mode(moe, mode)
 
 
 def test_sparse_layers_follow_transformers() -> None:
