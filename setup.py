@@ -44,6 +44,7 @@ ENTRY_POINTS = (
     "bf16_linear_ops.cpp",
     "decoder_ops.cpp",
     "lora_ops.cpp",
+    "moe_ops.cpp",
 )
 KERNELS = (
     "attention_kernels.cpp",

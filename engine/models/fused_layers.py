@@ -6,7 +6,10 @@ op makes the same calls, to the same kernels with the same tensors, from C++, fo
 layer in one call, so its output is bit-identical; it needs the native kernels and the
 cpu-native attention backend (whose `stack_args` hands it every layer's caches and the
 step's page table). Each layer's weights are packed once into a TorchScript object that
-holds the module's own tensors (no copy), and the layers into one DecoderStack.
+holds the module's own tensors (no copy), and the layers into one DecoderStack. A sparse
+MLP (moe.SparseMoE) is packed the same way into a MoeWeights, which its layer's weights
+hold, and which SparseMoE.forward runs alone (engine/ops/csrc/moe_ops.cpp) where the layers
+run in Python.
 """
 
 from __future__ import annotations
@@ -17,8 +20,8 @@ from typing import Any
 import torch
 
 from engine.lora.layers import LoRAStep
-from engine.models.layers import Linear
-from engine.models.quantized import MAX_KERNEL_ROWS
+from engine.models.layers import MLP, Linear
+from engine.models.quantized import DENSE_COPY_ROWS, MAX_KERNEL_ROWS
 from engine.ops.loader import native_kernels
 
 _DENSE, _PACKED, _QUANTIZED, _TILED = 0, 1, 2, 3
@@ -53,15 +56,18 @@ def _base_weights(layer: Linear, dense: bool) -> Any:
 
 def layer_weights(layer: Any, dense: bool = False) -> Any:
     """A llama.DecoderLayer's weights as pagedserve's LayerWeights (`dense`: see
-    linear_weights)."""
+    linear_weights; a sparse MLP's weights, which moe_weights made, pick their own)."""
     attn, mlp = layer.self_attn, layer.mlp
     q_norm = None if attn.q_norm is None else attn.q_norm.weight.detach()
     k_norm = None if attn.k_norm is None else attn.k_norm.weight.detach()
+    dense_mlp = isinstance(mlp, MLP)
+    assert dense_mlp or mlp.native is not None, "pack the sparse MLP first (moe_weights)"
     return torch.classes.pagedserve.LayerWeights(
         linear_weights(attn.qkv_proj, dense),
         linear_weights(attn.o_proj, dense),
-        linear_weights(mlp.gate_up_proj, dense),
-        linear_weights(mlp.down_proj, dense),
+        linear_weights(mlp.gate_up_proj, dense) if dense_mlp else None,
+        linear_weights(mlp.down_proj, dense) if dense_mlp else None,
+        None if dense_mlp else mlp.native,
         layer.input_layernorm.weight.detach(),
         layer.post_attention_layernorm.weight.detach(),
         q_norm,
@@ -72,6 +78,34 @@ def layer_weights(layer: Any, dense: bool = False) -> Any:
         attn.head_dim,
         attn.window or 0,
     )
+
+
+def moe_weights(moe: Any) -> Any:
+    """A moe.SparseMoE's router and experts as pagedserve's MoeWeights. Each expert's rows
+    differ from the step's, so each quantized linear with a dense copy picks quantized or
+    dense by its own input's rows, as Linear.forward does."""
+    weights = torch.classes.pagedserve.MoeWeights(
+        _row_picked_weights(moe.gate), moe.top_k, moe.norm_topk_prob
+    )
+    for expert in moe.experts:
+        weights.append(
+            _row_picked_weights(expert.gate_up_proj), _row_picked_weights(expert.down_proj)
+        )
+    return weights
+
+
+def _row_picked_weights(layer: Linear) -> Any:
+    """linear_weights, with a quantized layer's dense copy (where it has one) for inputs
+    of more than DENSE_COPY_ROWS rows."""
+    weights = linear_weights(layer)
+    if layer.quantized is not None and layer.has_dense:
+        weights.set_dense_copy(linear_weights(layer, dense=True), DENSE_COPY_ROWS)
+    return weights
+
+
+def sparse_moe(x: torch.Tensor, weights: Any) -> torch.Tensor:
+    """moe.SparseMoE.forward as one native op: x (T, hidden), contiguous, on the CPU."""
+    return _sparse_moe_op()(x, weights)
 
 
 class FusedLayers:
@@ -116,4 +150,11 @@ def _decoder_layers_op() -> Any:
     call here); the packet's own callable (`_op`, what it calls after that scan) does not.
     Where a torch lacks it, the packet."""
     packet = torch.ops.pagedserve.decoder_layers
+    return getattr(packet, "_op", packet)
+
+
+@functools.cache
+def _sparse_moe_op() -> Any:
+    """pagedserve::sparse_moe's C++ entry point (see _decoder_layers_op)."""
+    packet = torch.ops.pagedserve.sparse_moe
     return getattr(packet, "_op", packet)

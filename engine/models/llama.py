@@ -197,10 +197,13 @@ class DecoderModel(nn.Module):
         self.build_fused_layers(dense_copy)
 
     def build_fused_layers(self, dense_copy: bool) -> None:
-        """The layers as native ops (dense MLPs only, where the model's layers are ours),
-        where they can run so; again after LoRA slots are attached to the layers
+        """The layers as native ops, sparse MLPs included, where they can run so and the
+        model's layers are ours; again after LoRA slots are attached to the layers
         (engine/lora), so that the ops carry them."""
-        if fused_layers_available(self.norm.weight) and not self.arch.is_moe and self.fuses_layers:
+        if fused_layers_available(self.norm.weight) and self.fuses_layers:
+            for block in self.layers:
+                if isinstance(block.mlp, SparseMoE):
+                    block.mlp.pack_native()
             self.fused_layers = FusedLayers([layer_weights(layer) for layer in self.layers])
             if dense_copy:
                 self.fused_dense_layers = FusedLayers(

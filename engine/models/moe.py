@@ -14,17 +14,24 @@ Experts run in ascending order, as in transformers, so each token's sum adds its
 outputs in the same order. Routing weights are cast to the model's dtype before they scale
 an expert's rows, as Qwen3-MoE's transformers code does (Mixtral's scales in float32: in
 bfloat16 the two differ by one rounding; in float32 they are the same).
+
+On the CPU with the native kernels, the whole of forward is one native op
+(engine/ops/csrc/moe_ops.cpp, packed by pack_native) that computes the same thing, with
+the same kernels and roundings: `reference` is the Python path it equals, and the one
+that runs elsewhere (a GPU, a torch without the kernels).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
 from engine.models.arch import ModelArch
+from engine.models.fused_layers import moe_weights, sparse_moe
 from engine.models.layers import MLP, Linear
 from engine.models.quantized import QuantizedWeight
 
@@ -44,9 +51,21 @@ class SparseMoE(nn.Module):
         self.experts = nn.ModuleList(
             MLP(arch.hidden_size, arch.moe_intermediate_size) for _ in range(arch.num_experts)
         )
+        self.native: Any = None  # the MoeWeights that pack_native made
+
+    def pack_native(self) -> None:
+        """Runs forward as the native op from now on. Call once the weights are on the CPU
+        and laid out for their kernels (Linear.pack), where the native kernels load."""
+        self.native = moe_weights(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (num_tokens, hidden_size) -> the same shape."""
+        if self.native is not None and x.device.type == "cpu" and x.is_contiguous():
+            return sparse_moe(x, self.native)
+        return self.reference(x)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """forward in torch, one expert at a time."""
         probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # (T, num_experts)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # (T, top_k) each
         if self.norm_topk_prob:

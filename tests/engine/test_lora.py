@@ -244,3 +244,19 @@ def test_host_cache_keeps_what_requests_use(case: LoRACase, tmp_path: Path) -> N
     with pytest.raises(LoRAError, match=r"no adapter_config\.json"):
         llm.generate(case.prompts[:1], PARAMS, lora_request=moved)
     assert not llm.core.has_unfinished_requests()
+
+
+def test_attention_adapters_on_a_mixture_of_experts(tmp_path: Path) -> None:
+    """Qwen3-MoE, whose layers (sparse MLPs included) run as the native decoder op: an
+    adapter on q/v/o equals PEFT's merged model, beside the base model in one step."""
+    base = make_tiny_model("qwen3_moe", tmp_path / "base")
+    path = make_lora_adapter(base, tmp_path / "attn", 3, 4, ["q_proj", "v_proj", "o_proj"])
+    prompts = make_prompts(8, [9, 23])
+    expected = peft_merged_greedy(base, path, prompts, PARAMS.max_tokens)
+    expected += hf_greedy(base, prompts, PARAMS.max_tokens)
+    llm = tiny_llm(base, enable_lora=True)
+    assert llm.core.runner.model.fused_layers is not None
+    lora = LoRARequest("attn", 1, str(path))
+    outputs = llm.generate(prompts * 2, PARAMS, lora_request=[lora, lora, None, None])
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert expected[:2] != expected[2:]

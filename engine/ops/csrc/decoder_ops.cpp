@@ -12,6 +12,9 @@
 // It runs the cpu-native attention backend's computation (the K/V write through the slot
 // mapping, then paged attention over the CSR page table); other backends keep the Python
 // layer.
+//
+// A layer's MLP is dense (gate_up, SiLU-and-mul, down) or a sparse mixture of experts,
+// which moe_ops.cpp runs as SparseMoE.forward does.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -25,6 +28,8 @@
 #include <string>
 #include <tuple>
 #include <vector>
+
+#include "layer_weights.h"
 
 namespace pagedserve {
 namespace {
@@ -63,45 +68,15 @@ std::tuple<int64_t, int64_t> kernel_time_ns(bool enable) {
   return {g_kernel_ns.exchange(0), g_attention_ns.exchange(0)};
 }
 
-// How a linear layer's weight is stored (engine/models/layers.py's Linear).
-enum LinearKind : int64_t { kDense = 0, kPacked = 1, kQuantized = 2, kTiled = 3 };
-
-struct LinearWeights : torch::CustomClassHolder {
-  int64_t kind;
-  at::Tensor weight;  // dense (N, K), oneDNN-packed, tiled quantized or tiled bfloat16
-  std::optional<at::Tensor> bias;
-  std::optional<at::Tensor> scales, mins;  // quantized only
-  int64_t bits, group_size, n, max_kernel_rows;  // n: quantized and tiled bfloat16
-
-  LinearWeights(int64_t kind, at::Tensor weight, std::optional<at::Tensor> bias,
-                std::optional<at::Tensor> scales, std::optional<at::Tensor> mins, int64_t bits,
-                int64_t group_size, int64_t n, int64_t max_kernel_rows)
-      : kind(kind), weight(std::move(weight)), bias(std::move(bias)), scales(std::move(scales)),
-        mins(std::move(mins)), bits(bits), group_size(group_size), n(n),
-        max_kernel_rows(max_kernel_rows) {
-    TORCH_CHECK(kind >= kDense && kind <= kTiled, "unknown linear kind");
-    TORCH_CHECK(kind != kQuantized || this->scales.has_value(), "quantized weights need scales");
-  }
-
-  // The layer's LoRA slots (engine/lora/layers.py's LoRASlots: the same tensors, which the
-  // runner fills in place), added to the step's adapted rows after the base output.
-  std::optional<at::Tensor> lora_a, lora_bt, lora_ranks;
-  std::vector<int64_t> lora_col_offsets;
-
-  void set_lora(at::Tensor a, at::Tensor bt, at::Tensor ranks, std::vector<int64_t> col_offsets) {
-    lora_a = std::move(a);
-    lora_bt = std::move(bt);
-    lora_ranks = std::move(ranks);
-    lora_col_offsets = std::move(col_offsets);
-  }
-};
-
 // The step's LoRA segments (decoder_layers' lora_bounds and lora_slots) while its layers
 // run; empty when no row of the step has an adapter.
 thread_local std::vector<int64_t> t_lora_bounds, t_lora_slots;
 
 struct LayerWeights : torch::CustomClassHolder {
-  c10::intrusive_ptr<LinearWeights> qkv, o_proj, gate_up, down;
+  c10::intrusive_ptr<LinearWeights> qkv, o_proj;
+  // The MLP: dense (gate_up and down) or sparse (moe).
+  c10::intrusive_ptr<LinearWeights> gate_up, down;
+  c10::intrusive_ptr<MoeWeights> moe;
   at::Tensor input_norm, post_norm;
   std::optional<at::Tensor> q_norm, k_norm;  // Qwen3
   double eps;
@@ -109,15 +84,23 @@ struct LayerWeights : torch::CustomClassHolder {
   int64_t window;  // the layer's sliding window in keys (0: none)
 
   LayerWeights(c10::intrusive_ptr<LinearWeights> qkv, c10::intrusive_ptr<LinearWeights> o_proj,
-               c10::intrusive_ptr<LinearWeights> gate_up, c10::intrusive_ptr<LinearWeights> down,
-               at::Tensor input_norm, at::Tensor post_norm, std::optional<at::Tensor> q_norm,
+               std::optional<c10::intrusive_ptr<LinearWeights>> gate_up,
+               std::optional<c10::intrusive_ptr<LinearWeights>> down,
+               std::optional<c10::intrusive_ptr<MoeWeights>> moe, at::Tensor input_norm,
+               at::Tensor post_norm, std::optional<at::Tensor> q_norm,
                std::optional<at::Tensor> k_norm, double eps, int64_t num_heads,
                int64_t num_kv_heads, int64_t head_dim, int64_t window)
-      : qkv(std::move(qkv)), o_proj(std::move(o_proj)), gate_up(std::move(gate_up)),
-        down(std::move(down)), input_norm(std::move(input_norm)),
+      : qkv(std::move(qkv)), o_proj(std::move(o_proj)), input_norm(std::move(input_norm)),
         post_norm(std::move(post_norm)), q_norm(std::move(q_norm)), k_norm(std::move(k_norm)),
         eps(eps), num_heads(num_heads), num_kv_heads(num_kv_heads), head_dim(head_dim),
-        window(window) {}
+        window(window) {
+    TORCH_CHECK(moe.has_value() != (gate_up.has_value() && down.has_value()) &&
+                    gate_up.has_value() == down.has_value(),
+                "a layer's MLP is either dense (gate_up and down) or sparse (moe)");
+    if (moe.has_value()) this->moe = std::move(*moe);
+    if (gate_up.has_value()) this->gate_up = std::move(*gate_up);
+    if (down.has_value()) this->down = std::move(*down);
+  }
 };
 
 // A model's layers in order, for decoder_layers: built once at load time.
@@ -126,8 +109,6 @@ struct DecoderStack : torch::CustomClassHolder {
 
   void append(c10::intrusive_ptr<LayerWeights> layer) { layers.push_back(std::move(layer)); }
 };
-
-using OptString = std::optional<std::string>;
 
 // Our own ops, called through the dispatcher (their implementations live in other files).
 const auto& rms_norm_op() {
@@ -230,29 +211,21 @@ at::Tensor packed_linear(const at::Tensor& x, const LinearWeights& w) {
   return stack[0].toTensor();
 }
 
-at::Tensor base_linear(const at::Tensor& x, const LinearWeights& w);
+}  // namespace
 
-// layers.Linear.forward for 2-D x: the same kernels and the same tensors, LoRA included.
-at::Tensor linear(const at::Tensor& x, const LinearWeights& w) {
-  at::Tensor y = base_linear(x, w);
-  if (w.lora_a.has_value() && !t_lora_slots.empty()) {
-    const KernelTimer timer;
-    lora_apply_op().call(y, x, *w.lora_a, *w.lora_bt, *w.lora_ranks, w.lora_col_offsets,
-                         t_lora_bounds, t_lora_slots, std::nullopt);
-  }
-  return y;
-}
+namespace {
 
-at::Tensor base_linear(const at::Tensor& x, const LinearWeights& w) {
+// layers.Linear.forward's base output for 2-D x: the same kernels and the same tensors.
+at::Tensor base_linear(const at::Tensor& x, const LinearWeights& w, const OptString& isa) {
+  if (w.dense_copy && x.size(0) > w.dense_rows) return base_linear(x, *w.dense_copy, isa);
   const KernelTimer timer;
   if (w.kind == kPacked) return packed_linear(x, w);
   if (w.kind == kDense) return at::linear(x, w.weight, w.bias);
   at::Tensor y;
   if (w.kind == kTiled) {
-    y = bf16_linear_op().call(x, w.weight, w.n, std::nullopt);
+    y = bf16_linear_op().call(x, w.weight, w.n, isa);
   } else if (x.size(0) <= w.max_kernel_rows) {
-    y = quant_linear_op().call(x, w.weight, *w.scales, w.mins, w.bits, w.group_size, w.n,
-                               std::nullopt);
+    y = quant_linear_op().call(x, w.weight, *w.scales, w.mins, w.bits, w.group_size, w.n, isa);
   } else {
     const at::Tensor dense = quant_dequantize_op().call(w.weight, *w.scales, w.mins, w.bits,
                                                         w.group_size, w.n, std::nullopt,
@@ -261,6 +234,28 @@ at::Tensor base_linear(const at::Tensor& x, const LinearWeights& w) {
   }
   return w.bias.has_value() ? y + *w.bias : y;
 }
+
+}  // namespace
+
+// The base layer's output, plus the step's LoRA adapters where the layer has slots (set
+// by decoder_layers while its layers run).
+at::Tensor linear(const at::Tensor& x, const LinearWeights& w, const OptString& isa) {
+  at::Tensor y = base_linear(x, w, isa);
+  if (w.lora_a.has_value() && !t_lora_slots.empty()) {
+    const KernelTimer timer;
+    lora_apply_op().call(y, x, *w.lora_a, *w.lora_bt, *w.lora_ranks, w.lora_col_offsets,
+                         t_lora_bounds, t_lora_slots, isa);
+  }
+  return y;
+}
+
+at::Tensor silu_and_mul(const at::Tensor& gate_up, const OptString& isa) {
+  at::Tensor act = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  silu_and_mul_op().call(act, gate_up, isa);
+  return act;
+}
+
+namespace {
 
 // native_ops.rms_norm on (..., H): a new tensor.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -358,11 +353,9 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
   at::Tensor attn = attention(w, h, cos, sin, k_cache, v_cache, slot_mapping, qo_indptr,
                               kv_indptr, kv_indices, kv_last_page_len, scale);
   fused_add_rms_norm_op().call(attn, res, w.post_norm, w.eps, std::nullopt);
+  if (w.moe) return {sparse_moe(attn, w.moe, std::nullopt), res};
   const at::Tensor gate_up = linear(attn, *w.gate_up);  // (T, 2 * I)
-  const int64_t I = gate_up.size(1) / 2;
-  at::Tensor act = at::empty({gate_up.size(0), I}, gate_up.options());
-  silu_and_mul_op().call(act, gate_up, std::nullopt);
-  return {linear(act, *w.down), res};
+  return {linear(silu_and_mul(gate_up), *w.down), res};
 }
 
 // Every layer of the stack in turn: one call from Python a step, not one a layer (a call
@@ -376,8 +369,17 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     const at::Tensor& kv_last_page_len, double scale, at::IntArrayRef lora_bounds,
     at::IntArrayRef lora_slots) {
   const auto& layers = stack->layers;
-  t_lora_bounds.assign(lora_bounds.begin(), lora_bounds.end());
-  t_lora_slots.assign(lora_slots.begin(), lora_slots.end());
+  // The step's adapter segments, for linear() while this call runs (and no longer).
+  struct LoRASegments {
+    LoRASegments(at::IntArrayRef bounds, at::IntArrayRef slots) {
+      t_lora_bounds.assign(bounds.begin(), bounds.end());
+      t_lora_slots.assign(slots.begin(), slots.end());
+    }
+    ~LoRASegments() {
+      t_lora_bounds.clear();
+      t_lora_slots.clear();
+    }
+  } segments(lora_bounds, lora_slots);
   TORCH_CHECK(!layers.empty(), "decoder_layers: the stack has no layers");
   TORCH_CHECK(k_caches.size() == layers.size() && v_caches.size() == layers.size(),
               "decoder_layers: one K and one V cache a layer");
@@ -400,14 +402,19 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.class_<pagedserve::LinearWeights>("LinearWeights")
       .def(torch::init<int64_t, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>,
                        std::optional<at::Tensor>, int64_t, int64_t, int64_t, int64_t>())
+      .def("set_dense_copy", &pagedserve::LinearWeights::set_dense_copy)
       .def("set_lora", &pagedserve::LinearWeights::set_lora);
+  m.class_<pagedserve::MoeWeights>("MoeWeights")
+      .def(torch::init<c10::intrusive_ptr<pagedserve::LinearWeights>, int64_t, bool>())
+      .def("append", &pagedserve::MoeWeights::append);
   m.class_<pagedserve::LayerWeights>("LayerWeights")
       .def(torch::init<c10::intrusive_ptr<pagedserve::LinearWeights>,
                        c10::intrusive_ptr<pagedserve::LinearWeights>,
-                       c10::intrusive_ptr<pagedserve::LinearWeights>,
-                       c10::intrusive_ptr<pagedserve::LinearWeights>, at::Tensor, at::Tensor,
-                       std::optional<at::Tensor>, std::optional<at::Tensor>, double, int64_t,
-                       int64_t, int64_t, int64_t>());
+                       std::optional<c10::intrusive_ptr<pagedserve::LinearWeights>>,
+                       std::optional<c10::intrusive_ptr<pagedserve::LinearWeights>>,
+                       std::optional<c10::intrusive_ptr<pagedserve::MoeWeights>>, at::Tensor,
+                       at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>, double,
+                       int64_t, int64_t, int64_t, int64_t>());
   m.class_<pagedserve::DecoderStack>("DecoderStack")
       .def(torch::init<>())
       .def("append", &pagedserve::DecoderStack::append);
@@ -417,6 +424,10 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
       "Tensor qo_indptr, Tensor kv_indptr, Tensor kv_indices, Tensor kv_last_page_len, "
       "float scale, int[] lora_bounds=[], int[] lora_slots=[]) -> (Tensor, Tensor)");
   m.def("kernel_time_ns(bool enable) -> (int, int)", &pagedserve::kernel_time_ns);
+  // moe_ops.cpp implements it; defined here, after the class it takes.
+  m.def(
+      "sparse_moe(Tensor x, __torch__.torch.classes.pagedserve.MoeWeights weights, "
+      "str? isa=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {

@@ -23,9 +23,11 @@ namespace pagedserve {
 // thread's whole share: each thread then gets a fixed share, as from at::parallel_for
 // (its weights stream from memory, and one long run keeps the prefetcher ahead); at a
 // prefill's, the runs come down to a tile or two.
+// The least arithmetic a claim of tiles takes (parallel_tiles).
+constexpr int64_t kClaimFlops = int64_t{1} << 22;
+
 template <typename F>
 void parallel_tiles(int64_t tiles, int64_t grain, int64_t flops_per_tile, const F& task) {
-  constexpr int64_t kClaimFlops = int64_t{1} << 22;
   grain = std::max<int64_t>(1, grain);
   const int64_t tasks = std::clamp<int64_t>((tiles + grain - 1) / grain, 1, at::get_num_threads());
   const int64_t share = (tiles + tasks - 1) / tasks;

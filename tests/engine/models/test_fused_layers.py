@@ -15,6 +15,7 @@ from engine.config import QuantConfig
 from engine.models import fused_layers
 from engine.models.llama import DecoderModel
 from engine.models.loader import load_model
+from engine.models.moe import SparseMoE
 from tests.tiny_models import make_tiny_model
 
 # A step mixing a decode over a long history, a prefill chunk over history, and a new prompt.
@@ -66,6 +67,33 @@ def test_native_layers_equal_python_layers(
     native_hidden, native_cache = forward(model, fused=True, seed=1)
     assert torch.equal(native_hidden, python_hidden)
     assert torch.equal(native_cache, python_cache)  # the same K/V written to the same slots
+
+
+@pytest.mark.parametrize(
+    ("kind", "dtype"),
+    [("qwen3_moe", torch.float32), ("mixtral", torch.bfloat16)],
+    ids=["qwen3_moe-f32", "mixtral-bf16"],
+)
+def test_native_layers_with_sparse_mlps_equal_python_layers(
+    tmp_path: Path, kind: str, dtype: torch.dtype
+) -> None:
+    """Mixture-of-experts layers run in the stack too (their MLPs through moe_ops.cpp), to
+    the bit as the Python layers with SparseMoE's Python path."""
+    model, _ = load_model(make_tiny_model(kind, tmp_path), dtype, "cpu", QuantConfig())
+    assert model.fused_layers is not None and len(model.fused_layers) == model.arch.num_layers
+    sparse = [layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoE)]
+    assert sparse and all(mlp.native is not None for mlp in sparse)
+    native_hidden, native_cache = forward(model, fused=True, seed=4)
+    packed = [mlp.native for mlp in sparse]
+    for mlp in sparse:
+        mlp.native = None  # SparseMoE.forward takes its Python path
+    try:
+        python_hidden, python_cache = forward(model, fused=False, seed=4)
+    finally:
+        for mlp, weights in zip(sparse, packed, strict=True):
+            mlp.native = weights
+    assert torch.equal(native_hidden, python_hidden)
+    assert torch.equal(native_cache, python_cache)
 
 
 def test_native_layer_refuses_a_slot_outside_the_cache(tmp_path: Path) -> None:

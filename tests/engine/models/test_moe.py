@@ -18,11 +18,12 @@ import torch
 
 from engine import LLM, EngineArgs
 from engine.config import resolve_model_config
+from engine.models import fused_layers
 from engine.models.arch import ModelArch
 from engine.models.loader import load_model
 from engine.models.moe import SparseMoE
-from tests.engine.models.arch_cases import MODES, ArchCase, check_mode, make_case
-from tests.engine.test_correctness import tiny_llm
+from tests.engine.models.arch_cases import MODES, PARAMS, ArchCase, check_mode, make_case
+from tests.engine.test_correctness import engine_tokens, tiny_llm
 from tests.tiny_models import make_config, make_tiny_model
 
 VARIANTS = {
@@ -38,9 +39,28 @@ def moe(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     return make_case(kind, tmp_path_factory.mktemp(request.param), **overrides)
 
 
-def test_some_layers_are_sparse(moe: ArchCase) -> None:
+def test_some_layers_are_sparse_and_run_natively(
+    moe: ArchCase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The greedy tests below run the sparse MLPs natively: every layer in the one-call
+    native stack (the cpu-native attention backend), the sparse MLPs through moe_ops.cpp.
+    (With other backends SparseMoE.forward calls that op alone: tests/engine/ops/
+    test_sparse_moe.py, and test_gguf_moe.py's logits.)"""
+    op, calls = fused_layers._decoder_layers_op(), []
+
+    def counted(*args: object) -> object:
+        calls.append(args)
+        return op(*args)
+
+    monkeypatch.setattr(fused_layers, "_decoder_layers_op", lambda: counted)
     llm = tiny_llm(moe.path)
-    assert any(isinstance(layer.mlp, SparseMoE) for layer in llm.core.runner.model.layers)
+    assert llm.core.config.device.attention_backend == "cpu-native"
+    model = llm.core.runner.model
+    sparse = [layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoE)]
+    assert sparse and all(mlp.native is not None for mlp in sparse)
+    assert model.fused_layers is not None and len(model.fused_layers) == len(model.layers)
+    assert engine_tokens(llm, moe.prompts[:1], PARAMS) == moe.reference[:1]
+    assert calls
 
 
 @pytest.mark.parametrize("mode", MODES)
