@@ -26,6 +26,7 @@ from engine.introspection import (
     RequestView,
 )
 from engine.kv_cache.salt import scoped_cache_salt
+from engine.lora import LoRAError, LoRARequest
 from engine.models.default_model import DEFAULT_MODEL_NAME, cache_root, prepare_default_model
 from engine.outputs import (
     CompletionOutput,
@@ -69,6 +70,8 @@ __all__ = [
     "FinishedRequestStats",
     "FinishedView",
     "IterationStats",
+    "LoRAError",
+    "LoRARequest",
     "Logprobs",
     "PoolingParams",
     "ReasoningBounds",

@@ -27,7 +27,6 @@ from engine.errors import RequestValidationError
 from engine.introspection import CoreState, core_state
 from engine.kv_cache import KVCacheManager
 from engine.kv_events import KVEventsConfig
-from engine.lora.manager import LoRAManager
 from engine.lora.request import LoRAError, LoRARequest
 from engine.pooling import check_task
 from engine.request import Request, RequestStatus
@@ -40,6 +39,7 @@ from engine.spec_decode import (
     parse_speculative_config,
 )
 from engine.structured_output import StructuredOutputManager
+from engine.worker.lora_manager import LoRAManager
 from engine.worker.model_runner import ModelRunner, PendingOutput
 
 if TYPE_CHECKING:

@@ -19,8 +19,7 @@ from pydantic import BaseModel
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine import AsyncLLM
-from engine.lora import LoRARequest
+from engine import AsyncLLM, LoRARequest
 from server import reasoning, responses, tool_parsers
 from server.admission import Admission, QueueLimits
 from server.body import parse_body

@@ -20,9 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine import AsyncLLM
-from engine.errors import RequestValidationError
-from engine.lora import LoRARequest
+from engine import AsyncLLM, LoRARequest, RequestValidationError
 from server.errors import OpenAIError
 
 if TYPE_CHECKING:

@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from sse_starlette.sse import EventSourceResponse
 
-from engine.lora import LoRARequest
+from engine import LoRARequest
 from server.body import from_validation_error, parse_body
 from server.chat import create_chat_completion
 from server.disconnect import cancel_on_disconnect

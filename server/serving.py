@@ -24,12 +24,12 @@ from engine import (
     CompletionOutput,
     EngineClosedError,
     EngineDeadError,
+    LoRARequest,
     RequestOutput,
     RequestStream,
     RequestValidationError,
     SamplingParams,
 )
-from engine.lora import LoRARequest
 from server.admission import Admission, Ticket
 from server.errors import OpenAIError, error_body
 from server.metrics import ServerMetrics

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from engine.lora.layers import LoRAStep
 from engine.models.layers import MLP, Linear
+from engine.models.lora_layers import LoRAStep
 from engine.models.quantized import DENSE_COPY_ROWS, MAX_KERNEL_ROWS
 from engine.ops.loader import native_kernels
 

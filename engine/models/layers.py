@@ -21,7 +21,7 @@ from engine.ops import native_ops
 from engine.ops.loader import native_kernels
 
 if TYPE_CHECKING:
-    from engine.lora.layers import LoRASlots
+    from engine.models.lora_layers import LoRASlots
 
 # oneDNN lays packed weights out for a batch size; any other batch size works as well.
 _PACK_BATCH_HINT = 64

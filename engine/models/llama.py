@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionBackend
-from engine.lora.layers import LoRAStep
 from engine.models.arch import ModelArch
 from engine.models.fused_layers import (
     FusedLayers,
@@ -28,6 +27,7 @@ from engine.models.layers import (
     RMSNorm,
     RotaryEmbedding,
 )
+from engine.models.lora_layers import LoRAStep
 from engine.models.moe import SparseMoE
 from engine.models.quantized import (
     DENSE_COPY_ROWS,

@@ -137,7 +137,7 @@ def lora_apply_reference(
     slots: list[int],
 ) -> None:
     """y[s:e] += (x[s:e] @ a[slot]^T) @ bt[slot] for each segment (s, e) = bounds[2i],
-    bounds[2i + 1] of slot slots[i] (engine/lora/layers.py); on any device."""
+    bounds[2i + 1] of slot slots[i] (engine/models/lora_layers.py); on any device."""
     for i, slot in enumerate(slots):
         start, end = bounds[2 * i], bounds[2 * i + 1]
         y[start:end] += (x[start:end] @ a[slot].t()) @ bt[slot]

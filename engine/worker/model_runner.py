@@ -28,7 +28,6 @@ from engine.attention.metadata import (
     upload,
 )
 from engine.config import CacheConfig, DeviceConfig
-from engine.lora.manager import LoRAManager
 from engine.models.arch import ModelArch
 from engine.models.llama import DecoderModel
 from engine.outputs import Logprobs
@@ -38,6 +37,7 @@ from engine.worker.cpu_threads import StepThreads
 from engine.worker.cuda_graphs import CudaGraphConfig, CudaGraphRunner, pad_decode_batch
 from engine.worker.grammar_bitmask import GrammarBitmask
 from engine.worker.input_batch import InputBatch, StepBatch
+from engine.worker.lora_manager import LoRAManager
 from engine.worker.pinned_buffers import PinnedBuffers
 from engine.worker.pooler import LastTokenPooler
 from engine.worker.sampler import (

@@ -25,7 +25,6 @@ from engine.config import (
     runtime_facts,
 )
 from engine.cpu_share import cpu_limit, own_cgroup_cpu_dir
-from engine.lora.manager import LoRAManager
 from engine.models.arch import ModelArch
 from engine.models.layers import TILED_BF16_ISAS
 from engine.models.llama import DecoderModel
@@ -35,6 +34,7 @@ from engine.ops.loader import native_kernels, select_cpu_isa
 from engine.utils import cdiv
 from engine.worker.cpu_kernels import check_kernels, resolve_kernels
 from engine.worker.cuda_graphs import CudaGraphConfig, capture_sizes
+from engine.worker.lora_manager import LoRAManager
 from engine.worker.memory_profiler import MemoryProfile, profile_gpu_memory
 from engine.worker.model_runner import ModelRunner
 from engine.worker.step_profiler import StepProfiler

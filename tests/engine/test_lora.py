@@ -179,9 +179,9 @@ def test_native_lora_kernel_against_float64(isa: str, dtype: torch.dtype) -> Non
 def test_adapters_add_to_a_quantized_layer(method: str) -> None:
     """A quantized layer's output plus exactly its adapters' products, row by row: the
     adapter does not care how the base weight is stored."""
-    from engine.lora.adapter import LoRAPart
-    from engine.lora.layers import LoRASlots, LoRAStep
     from engine.models.layers import Linear
+    from engine.models.lora_adapter import LoRAPart
+    from engine.models.lora_layers import LoRASlots, LoRAStep
     from engine.models.quantized import quantize_int4, quantize_int8
 
     torch.manual_seed(1)

@@ -25,6 +25,9 @@ ALLOWED_LINTS = (
     'non-counter metrics should not have "_total" suffix',
 )
 
+# Exposed only by a server with --enable-lora (tests/server/test_lora.py checks it).
+WITH_LORA = {"vllm:lora_requests_info"}
+
 
 def scrape(server: LiveServer) -> str:
     return httpx.get(f"{server.url}/metrics").text
@@ -116,7 +119,7 @@ def test_every_metric_is_exposed_with_help_and_model_name(traffic) -> None:
     families = {f.name: f for f in text_string_to_metric_families(text)}
     wanted = (
         {n.removesuffix("_total") for n in EXPOSED_COUNTERS} | EXPOSED_GAUGES | EXPOSED_HISTOGRAMS
-    )
+    ) - WITH_LORA
     assert wanted <= set(families), wanted - set(families)
     for name in wanted:
         assert families[name].documentation, f"{name} has no HELP"
@@ -194,6 +197,7 @@ def test_dashboard_and_rules_name_only_scraped_metrics(traffic) -> None:
     referenced = referenced_metric_names()
     assert "vllm:num_requests_waiting" in referenced
     # `up` is written by Prometheus itself for every target, not by the server; the series
-    # of each draft position exist only with --speculative-config (test_speculative.py).
+    # of each draft position exist only with --speculative-config (test_speculative.py),
+    # and the LoRA series only with --enable-lora (test_lora.py).
     per_position = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
-    assert referenced - scraped == {"up", per_position}
+    assert referenced - scraped == {"up", per_position} | WITH_LORA

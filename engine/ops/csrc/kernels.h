@@ -257,7 +257,7 @@ struct Bf16Weight {
 };
 
 // Rows of y (T, N) += (x (T, K) A_slot^T) Bt_slot, each run of rows with its own slot: the
-// LoRA adapters of a step (engine/lora/layers.py has the layout). A slot's A (R, K) and
+// LoRA adapters of a step (engine/models/lora_layers.py has the layout). A slot's A (R, K) and
 // Bt (R, N) hold `blocks` blocks of R / blocks rows, of which the first ranks[slot] are the
 // adapter's (the rest are zero and skipped); block b's rows of Bt are zero outside columns
 // col_offsets[b]..col_offsets[b + 1] (its output slice), which alone are read.

@@ -42,7 +42,7 @@ struct LinearWeights : torch::CustomClassHolder {
     TORCH_CHECK(kind != kQuantized || this->scales.has_value(), "quantized weights need scales");
   }
 
-  // The layer's LoRA slots (engine/lora/layers.py's LoRASlots: the same tensors, which the
+  // The layer's LoRA slots (engine/models/lora_layers.py's LoRASlots: the same tensors, which the
   // runner fills in place), added to the step's adapted rows after the base output.
   std::optional<at::Tensor> lora_a, lora_bt, lora_ranks;
   std::vector<int64_t> lora_col_offsets;

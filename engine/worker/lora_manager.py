@@ -1,14 +1,14 @@
 """Which adapters are loaded and where: the engine side of multi-LoRA serving.
 
-Adapters are read (adapter.py) into a host cache of --max-cpu-loras, least recently used
-out first, and copied into one of --max-loras device slots when a step needs them; a slot
-whose adapter the step does not use is reused, least recently used first. The scheduler
-never runs more adapters at once than there are slots (Scheduler's lora limit), so a
-step always finds room. `add` is what load_lora_adapter, --lora-modules and each new
-request call: it reads and checks the adapter now (a bad one is refused up front, and a
-request's adapter that fell out of the host cache is read again, or the request refused,
-when it arrives); the adapters of queued and running requests are never dropped, so a
-step never reads one from disk.
+Adapters are read (engine/models/lora_adapter.py) into a host cache of --max-cpu-loras,
+least recently used out first, and copied into one of --max-loras device slots when a
+step needs them; a slot whose adapter the step does not use is reused, least recently
+used first. The scheduler never runs more adapters at once than there are slots
+(Scheduler's lora limit), so a step always finds room. `add` is what load_lora_adapter,
+--lora-modules and each new request call: it reads and checks the adapter now (a bad one
+is refused up front, and a request's adapter that fell out of the host cache is read
+again, or the request refused, when it arrives); the adapters of queued and running
+requests are never dropped, so a step never reads one from disk.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
-from engine.lora.adapter import LoRAAdapter, layer_slices, load_adapter
-from engine.lora.layers import LoRASlots, LoRAStep
 from engine.lora.request import LoRAConfig, LoRARequest
 from engine.models.arch import ModelArch
 from engine.models.layers import MLP, Linear
 from engine.models.llama import DecoderLayer, DecoderModel
+from engine.models.lora_adapter import LoRAAdapter, layer_slices, load_adapter
+from engine.models.lora_layers import LoRASlots, LoRAStep
 
 
 class LoRAManager:

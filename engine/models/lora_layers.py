@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.lora.adapter import LoRAPart
+from engine.models.lora_adapter import LoRAPart
 from engine.ops import native_ops
 
 
