@@ -162,8 +162,8 @@ class EngineCore:
         self._lora_manager(lora.lora_name).add(lora)
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Drops a LoRA adapter's weights; whether they were loaded. Requests already
-        queued with it still run (their adapter is read again from its path)."""
+        """Drops a LoRA adapter's weights; whether they were loaded. Requests that still
+        use it finish with it (its weights go once they have ended)."""
         return self._lora_manager(str(lora_int_id)).remove(lora_int_id)
 
     def _lora_manager(self, name: str) -> LoRAManager:
