@@ -124,7 +124,8 @@ class Scheduler:
         # Requests whose grammar is still compiling step aside; they keep their place. So do
         # those whose LoRA adapter would exceed --max-loras running at once.
         skipped: deque[Request] = deque()
-        loras, max_loras = self._running_loras(), self.config.max_loras
+        max_loras = self.config.max_loras
+        loras = self._running_loras() if max_loras else set()
         while (
             not preempted
             and self.waiting
@@ -392,8 +393,8 @@ class Scheduler:
             spec_num_draft_tokens=self._spec_counts[1],
             spec_num_accepted_tokens=self._spec_counts[2],
             spec_accepted_per_pos=tuple(self._spec_accepted_per_pos),
-            running_loras=_lora_names(self.running),
-            waiting_loras=_lora_names(self.waiting),
+            running_loras=_lora_names(self.running) if self.config.max_loras else (),
+            waiting_loras=_lora_names(self.waiting) if self.config.max_loras else (),
         )
         self._spec_counts = [0, 0, 0]
         self._spec_accepted_per_pos = []
