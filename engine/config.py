@@ -86,8 +86,11 @@ class EngineArgs:
         '"prompt_lookup_max": 5} (drafts from the request\'s own earlier tokens; prompt_lookup '
         'bounds default to 2 and 5) or {"method": "suffix", "num_speculative_tokens": 4} '
         "(drafts from suffix tries over the request's tokens and recent requests' outputs; "
-        "vLLM's suffix_decoding_* keys); greedy output is unchanged and sampled output keeps "
-        "its distribution; turns async scheduling off",
+        'vLLM\'s suffix_decoding_* keys) or {"method": "draft_model", "model": PATH, '
+        '"num_speculative_tokens": 4} (greedy drafts from a smaller model of the same '
+        'tokenizer, with its own KV cache; optional "quantization" as --quantization); '
+        "greedy output is unchanged and sampled output keeps its distribution; turns async "
+        "scheduling off",
     )
     num_threads: int | None = _arg(None, "torch CPU threads (default: the CPUs available)")
     cpu_isa: str = _arg(
@@ -278,6 +281,9 @@ class SchedulerConfig:
     async_scheduling: bool = False
     # LoRA adapters running at once at most (--max-loras); 0 without LoRA.
     max_loras: int = 0
+    # KV slots held beyond a sampling request's scheduled tokens, for a draft model to
+    # write its drafts' keys and values (speculative decoding with draft_model); else 0.
+    num_lookahead_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -411,7 +417,11 @@ def resolve_scheduler_config(
         )
     lora = resolve_lora_config(args)
     max_loras = 0 if lora is None else lora.max_loras
-    return SchedulerConfig(args.max_num_seqs, budget, model.max_model_len, overlap, max_loras)
+    spec = parse_speculative_config(args.speculative_config)
+    lookahead = spec.num_speculative_tokens if spec and spec.method == "draft_model" else 0
+    return SchedulerConfig(
+        args.max_num_seqs, budget, model.max_model_len, overlap, max_loras, lookahead
+    )
 
 
 def resolve_lora_config(args: EngineArgs) -> LoRAConfig | None:

@@ -18,6 +18,7 @@ from engine.config import (
     EngineArgs,
     EngineConfig,
     EngineHooks,
+    ModelConfig,
     check_scheduling_options,
     load_tokenizer,
     resolve_model_config,
@@ -33,8 +34,8 @@ from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler, SchedulerStats, StepResult
 from engine.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from engine.spec_decode import (
-    NgramProposer,
-    SuffixProposer,
+    DraftModelProposer,
+    Proposer,
     make_proposer,
     parse_speculative_config,
 )
@@ -49,6 +50,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 # With nothing to run but requests whose grammars compile, a step waits this long for one.
 GRAMMAR_WAIT_S = 0.05
+
+
+def check_draft_tokenizer(tokenizer: Any, draft: ModelConfig) -> None:
+    """Raises ValueError unless the draft model's tokenizer maps every token as the
+    target's `tokenizer` does: its drafts are token ids of the target's vocabulary."""
+    if load_tokenizer(draft).get_vocab() != tokenizer.get_vocab():
+        raise ValueError(
+            f"the draft model {draft.name} has another tokenizer than the target model; "
+            "a draft model must share the target's vocabulary"
+        )
 
 
 class EngineCore:
@@ -78,7 +89,7 @@ class EngineCore:
         self.async_scheduling = config.scheduler.async_scheduling and runner.pooler is None
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
         spec = config.speculative
-        self.proposer: NgramProposer | SuffixProposer | None = None
+        self.proposer: Proposer | None = None
         if spec is not None:
             self.proposer = make_proposer(spec, config.scheduler.max_model_len)
 
@@ -126,6 +137,8 @@ class EngineCore:
             model_config.arch.kv_window,
         )
         tokenizer = load_tokenizer(model_config)
+        if worker.draft_config is not None:
+            check_draft_tokenizer(tokenizer, worker.draft_config)
         arch = model_config.arch
         grammars = StructuredOutputManager.for_tokenizer(
             tokenizer, arch.vocab_size, arch.eos_token_ids
@@ -203,7 +216,9 @@ class EngineCore:
                 self._wait_for_grammars()
             runner_output = self.runner.execute(scheduler_output)
             result = self.scheduler.update_from_output(scheduler_output, runner_output)
-            if self.proposer is not None:
+            if isinstance(self.proposer, DraftModelProposer):
+                self.proposer.propose(self.scheduler.running, runner_output.draft_token_ids)
+            elif self.proposer is not None:
                 self.proposer.propose(self.scheduler.running)
         if self.hooks.check_invariants:
             self.scheduler.kv_cache.check_invariants()

@@ -172,8 +172,11 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: Sequence[KVCacheBlock] | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
-        """Makes room for `num_new_tokens` more tokens of `request`.
+        """Makes room for `num_new_tokens` more tokens of `request`, and for
+        `num_lookahead_tokens` slots after them (a draft model writes its drafts there before
+        the next step schedules them; they are never registered in the prefix cache).
 
         `new_computed_blocks` is the prefix-cache hit of a request being admitted (None for
         a request that is already running). Returns the newly allocated blocks, or None,
@@ -185,12 +188,12 @@ class KVCacheManager:
         if new_computed_blocks is None:
             # Blocks out of the window go back first, so they count as free space here.
             self._free_out_of_window(request, request.num_computed_tokens)
-            if self._fits_as_is(request, num_new_tokens):
+            if self._fits_as_is(request, num_new_tokens, num_lookahead_tokens):
                 return []
         hits = list(new_computed_blocks or ())
         held = self.req_to_blocks.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(hits) * self.block_size
-        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_required = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, self.block_size)
         num_new = max(0, num_required - len(held) - len(hits))
         num_hits_free = sum(1 for b in hits if b.ref_cnt == 0)
         if num_new > self.pool.num_free_blocks - num_hits_free:
@@ -247,7 +250,7 @@ class KVCacheManager:
         blocks = self.req_to_blocks.get(request_id, [])
         return blocks[self._num_skipped.get(request_id, 0) :]
 
-    def _fits_as_is(self, request: Request, num_new_tokens: int) -> bool:
+    def _fits_as_is(self, request: Request, num_new_tokens: int, num_lookahead: int = 0) -> bool:
         """Whether a running request's next tokens need nothing of allocate_slots: they
         fit its blocks, and no block of it fills up that was not registered yet. Most
         decode steps are so; this spares them the general path's work (a few microseconds
@@ -256,7 +259,7 @@ class KVCacheManager:
         if held is None:
             return False
         end = request.num_computed_tokens + num_new_tokens
-        if end > len(held) * self.block_size:
+        if end + num_lookahead > len(held) * self.block_size:
             return False
         if not self.enable_caching:  # nothing is ever registered
             return True

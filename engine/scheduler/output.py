@@ -65,6 +65,9 @@ class ModelRunnerOutput:
     # request has none in `logprobs`).
     accepted_draft_ids: dict[str, list[int]] = field(default_factory=dict)
     spec_logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
+    # A draft model's proposals for each request's next step, drafted after this step's
+    # tokens (spec_decode/draft_model.py cuts them to what the request can use).
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

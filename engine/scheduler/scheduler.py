@@ -106,14 +106,15 @@ class Scheduler:
                 continue
             ahead = request.num_tokens_with_placeholders + len(request.spec_token_ids)
             num_new = min(ahead - request.num_computed_tokens, budget)
-            new_blocks = self.kv_cache.allocate_slots(request, num_new)
+            lookahead = self._lookahead(request, request.num_computed_tokens + num_new)
+            new_blocks = self.kv_cache.allocate_slots(request, num_new, None, lookahead)
             while new_blocks is None:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
                     break
-                new_blocks = self.kv_cache.allocate_slots(request, num_new)
+                new_blocks = self.kv_cache.allocate_slots(request, num_new, None, lookahead)
             if new_blocks is None:
                 break
             block_ids = [b.block_id for b in new_blocks]
@@ -153,6 +154,15 @@ class Scheduler:
 
         finished, self._finished_ids = self._finished_ids, set()
         return SchedulerOutput(scheduled, finished)
+
+    def _lookahead(self, request: Request, end: int) -> int:
+        """The KV slots a draft model needs after `request`'s scheduled tokens, which end
+        at `end`: its drafts follow the token this step samples, so only a step that reaches
+        the end of the request's tokens needs them; none past the model's length."""
+        lookahead = self.config.num_lookahead_tokens
+        if not lookahead or end < request.num_tokens_with_placeholders:
+            return 0
+        return max(0, min(lookahead, self.config.max_model_len - end))
 
     def _running_loras(self) -> set[int]:
         return {r.lora.lora_int_id for r in self.running if r.lora is not None}
@@ -207,7 +217,8 @@ class Scheduler:
         hits, num_hit = self.kv_cache.get_computed_blocks(request)
         # Capping at the budget is chunked prefill.
         num_new = min(request.num_tokens - num_hit, budget)
-        if self.kv_cache.allocate_slots(request, num_new, hits) is None:
+        lookahead = self._lookahead(request, num_hit + num_new)
+        if self.kv_cache.allocate_slots(request, num_new, hits, lookahead) is None:
             return None
         self.waiting.popleft()
         request.status = RequestStatus.RUNNING

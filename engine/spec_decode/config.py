@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 from engine.utils import json_flag
 
-METHODS = ("ngram", "suffix")
+METHODS = ("ngram", "suffix", "draft_model")
 # vLLM's methods that are not implemented here: refused by name rather than as unknown.
-NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
+NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
 # Each method's keys beyond method and num_speculative_tokens, with their defaults.
-METHOD_KEYS: dict[str, dict[str, int | float]] = {
+METHOD_KEYS: dict[str, dict[str, int | float | str]] = {
     "ngram": {"prompt_lookup_min": 2, "prompt_lookup_max": 5},
     "suffix": {
         "suffix_decoding_max_tree_depth": 24,
@@ -18,7 +18,11 @@ METHOD_KEYS: dict[str, dict[str, int | float]] = {
         "suffix_decoding_max_spec_factor": 1.0,
         "suffix_decoding_min_token_prob": 0.1,
     },
+    # A draft model's path, and how its weights run (--quantization's choices; by default
+    # as --quantization auto would run that model).
+    "draft_model": {"model": "", "quantization": "auto"},
 }
+DRAFT_QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_LOOKUP_MIN, DEFAULT_LOOKUP_MAX = 2, 5
 
@@ -38,6 +42,9 @@ class SpeculativeConfig:
     suffix_max_cached_requests: int = 10000
     suffix_max_spec_factor: float = 1.0
     suffix_min_token_prob: float = 0.1
+    # A draft model (engine/worker/draft_runner.py): its path and --quantization choice.
+    draft_model: str | None = None
+    draft_quantization: str = "auto"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -54,6 +61,13 @@ class SpeculativeConfig:
                 "suffix_decoding_max_cached_requests must be >= 0 and "
                 "suffix_decoding_max_spec_factor > 0"
             )
+        if (self.method == "draft_model") != (self.draft_model is not None):
+            raise ValueError("a draft model is named by, and only by, the draft_model method")
+        if self.draft_quantization not in DRAFT_QUANTIZATIONS:
+            raise ValueError(
+                f"draft quantization {self.draft_quantization!r} is not one of "
+                f"{DRAFT_QUANTIZATIONS}"
+            )
         if not 0.0 <= self.suffix_min_token_prob <= 1.0:
             raise ValueError("suffix_decoding_min_token_prob must be within 0-1")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
@@ -63,6 +77,11 @@ class SpeculativeConfig:
             )
 
     def describe(self) -> str:
+        if self.method == "draft_model":
+            return (
+                f"draft model {self.draft_model} ({self.draft_quantization}), "
+                f"{self.num_speculative_tokens} tokens"
+            )
         if self.method == "suffix":
             return (
                 f"suffix, {self.num_speculative_tokens} tokens, depth "
@@ -99,6 +118,8 @@ def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
         )
     if "num_speculative_tokens" not in raw:
         raise ValueError("--speculative-config needs num_speculative_tokens")
+    if method == "draft_model":
+        return _draft_model_config(raw)
     for key in ("num_speculative_tokens", *keys):
         value = raw.get(key)
         want = float if isinstance(keys.get(key), float) else int
@@ -124,3 +145,23 @@ def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
     elif given_low is None:
         low = min(low, high)
     return SpeculativeConfig("ngram", k, low, high)
+
+
+def _draft_model_config(raw: dict) -> SpeculativeConfig:
+    """{"method": "draft_model", "model": path, "num_speculative_tokens": k} and an optional
+    "quantization"."""
+    model, k = raw.get("model"), raw["num_speculative_tokens"]
+    if not isinstance(model, str) or not model:
+        raise ValueError('--speculative-config: draft_model needs "model", the draft\'s path')
+    if not isinstance(k, int) or isinstance(k, bool):
+        raise ValueError(
+            f"--speculative-config: num_speculative_tokens must be an integer, got {k!r}"
+        )
+    quantization = raw.get("quantization", "auto")
+    if quantization is None:  # vLLM's default spelling
+        quantization = "auto"
+    if not isinstance(quantization, str):
+        raise ValueError(
+            f"--speculative-config: quantization must be a string, got {quantization!r}"
+        )
+    return SpeculativeConfig("draft_model", k, draft_model=model, draft_quantization=quantization)

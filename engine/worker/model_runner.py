@@ -17,8 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.attention import create_backend
-from engine.attention.backend import AttentionBackend, allocate_kv_cache
+from engine.attention.backend import AttentionBackend
 from engine.attention.flashinfer_backend import FlashInferAttentionBackend
 from engine.attention.metadata import (
     AttentionMetadata,
@@ -35,6 +34,7 @@ from engine.pooling import PoolerConfig
 from engine.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.cpu_threads import StepThreads
 from engine.worker.cuda_graphs import CudaGraphConfig, CudaGraphRunner, pad_decode_batch
+from engine.worker.draft_runner import DraftModelRunner, paged_kv_cache, sampled_positions
 from engine.worker.grammar_bitmask import GrammarBitmask
 from engine.worker.input_batch import InputBatch, StepBatch
 from engine.worker.lora_manager import LoRAManager
@@ -75,11 +75,14 @@ class PendingOutput:
             {},
             {},
         ),
+        drafted: dict[str, list[int]] | None = None,
     ) -> None:
         """`verified`: the tokens and accepted drafts of the rows that verified drafts
-        (speculative decoding), already on the host."""
+        (speculative decoding), already on the host; `drafted`: a draft model's drafts for
+        the next step."""
         self._request_ids = request_ids
         self._verified = verified
+        self._drafted = drafted or {}
         self._num_top = num_top
         self._prompt_logprobs = prompt_logprobs
         self._copied: torch.cuda.Event | None = None
@@ -122,6 +125,7 @@ class PendingOutput:
             self._prompt_logprobs,
             accepted_draft_ids=accepted,
             spec_logprobs=spec_logprobs,
+            draft_token_ids=self._drafted,
         )
         return self._result
 
@@ -143,36 +147,25 @@ class ModelRunner:
         cuda_graphs: CudaGraphConfig | None = None,
         pooler: PoolerConfig | None = None,
         lora: LoRAManager | None = None,
+        drafter: DraftModelRunner | None = None,
     ) -> None:
         """With `cuda_graphs`, the cache gets one scratch block beyond cache_config.num_blocks
         (the KV cache manager never sees it) and the decoder is captured here. With `pooler`
         (an embedding engine), the requests that reach the end of their prompt are pooled
-        instead of sampled."""
+        instead of sampled. With `drafter` (speculative decoding with a draft model), the
+        draft model runs over every step and drafts after it."""
         self.model = model
         self.arch = arch
         self.lora = lora
+        self.drafter = drafter
         self.block_size = cache_config.block_size
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         scratch_blocks = 0 if cuda_graphs is None else 1
-        self.kv_cache = allocate_kv_cache(
-            arch.num_layers,
-            cache_config.num_blocks + scratch_blocks,
-            cache_config.block_size,
-            arch.num_kv_heads,
-            arch.head_dim,
-            self.dtype,
-            self.device,
+        self.kv_cache, backend = paged_kv_cache(
+            model, arch, cache_config, device_config.attention_backend, scratch_blocks
         )
         self.profiler = profiler or StepProfiler(enabled=False)
-        backend = create_backend(
-            device_config.attention_backend,
-            self.kv_cache,
-            arch.num_heads,
-            arch.attention_scale,
-            arch.layer_windows,
-            model.layer_sinks(),
-        )
         self.backend = self.profiler.wrap_backend(backend)
         on_cpu = self.device.type == "cpu"
         self.pinned = None if on_cpu else PinnedBuffers(self.device)
@@ -263,8 +256,13 @@ class ModelRunner:
                 self._inputs_sent.record(torch.cuda.current_stream(self.device))
         with self.profiler.section("forward"):
             if self.graphs is not None and graph_size is not None:
-                return self.graphs.replay(graph_size, len(batch.requests)), host
-            return self.model(ids, md.positions, self.backend), host
+                hidden = self.graphs.replay(graph_size, len(batch.requests))
+            else:
+                hidden = self.model(ids, md.positions, self.backend)
+        if self.drafter is not None:
+            with self.profiler.section("draft"):
+                self.drafter.forward(ids, md)
+        return hidden, host
 
     def _fill_placeholders(self, ids: torch.Tensor, placeholders: list[tuple[int, str]]) -> None:
         """Writes into `ids`, at each placeholder's position, the token the last step
@@ -301,8 +299,9 @@ class ModelRunner:
         request_ids = [s.request.request_id for s in states]
         if not rows:
             prompt_logprobs = self._prompt_logprobs(hidden, host, batch)
+            drafted = self._draft(batch, [], None, live, verified)
             output = ModelRunnerOutput(
-                verified[0], {}, prompt_logprobs, {}, verified[1], verified[2]
+                verified[0], {}, prompt_logprobs, {}, verified[1], verified[2], drafted
             )
             return PendingOutput.ready(output)
         with self.profiler.section("logits"):
@@ -316,7 +315,36 @@ class ModelRunner:
             self._last_sampled_rows = {rid: i for i, rid in enumerate(request_ids)}
             num_top = [r.params.logprobs for r in sampling_rows]
             prompt_logprobs = self._prompt_logprobs(hidden, host, batch)
-            return PendingOutput(request_ids, tokens, logprobs, num_top, prompt_logprobs, verified)
+        drafted = self._draft(batch, rows, tokens, live, verified)
+        return PendingOutput(
+            request_ids, tokens, logprobs, num_top, prompt_logprobs, verified, drafted
+        )
+
+    def _draft(
+        self,
+        batch: StepBatch,
+        rows: list[int],
+        tokens: torch.Tensor | None,
+        live: list[int],
+        verified: tuple[dict[str, int], dict[str, list[int]], dict[str, list[Logprobs]]],
+    ) -> dict[str, list[int]]:
+        """A draft model's drafts after this step (none without one): `rows` sampled
+        `tokens` plainly; the other `live` rows verified drafts (`verified`)."""
+        if self.drafter is None:
+            return {}
+        sampled_tokens = [] if tokens is None else tokens.tolist()
+        verified_rows = [r for r in live if batch.num_drafts[r]]
+        verified_tokens, accepted, _ = verified
+        for r in verified_rows:
+            sampled_tokens.append(verified_tokens[batch.requests[r].request.request_id])
+        all_rows = [*rows, *verified_rows]
+        num_accepted = [0] * len(rows) + [
+            len(accepted[batch.requests[r].request.request_id]) for r in verified_rows
+        ]
+        positions = sampled_positions(batch, all_rows, num_accepted)
+        sampled = {r: (t, p) for r, t, p in zip(all_rows, sampled_tokens, positions, strict=True)}
+        with self.profiler.section("draft"):
+            return self.drafter.propose(batch, sampled)
 
     def _verify(
         self, hidden: torch.Tensor, host: StepMetadata, batch: StepBatch, rows: list[int]

@@ -3,9 +3,10 @@ the model runner. The device-dependent decisions of the configuration are made h
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -31,9 +32,11 @@ from engine.models.llama import DecoderModel
 from engine.models.loader import load_model
 from engine.models.parallel import Shard, TensorParallelDecoder, shard_arch
 from engine.ops.loader import native_kernels, select_cpu_isa
+from engine.spec_decode import SpeculativeConfig, parse_speculative_config
 from engine.utils import cdiv
 from engine.worker.cpu_kernels import check_kernels, resolve_kernels
 from engine.worker.cuda_graphs import CudaGraphConfig, capture_sizes
+from engine.worker.draft_runner import DraftModelRunner
 from engine.worker.lora_manager import LoRAManager
 from engine.worker.memory_profiler import MemoryProfile, profile_gpu_memory
 from engine.worker.model_runner import ModelRunner
@@ -220,6 +223,22 @@ class Worker:
             self.model, _ = load_model(
                 model.weights, self.dtype, self.device, self.quant_config, lm_head=lm_head
             )
+        # Speculative decoding's draft model (draft_model), loaded beside the target.
+        self.speculative = parse_speculative_config(args.speculative_config)
+        self.draft_config: ModelConfig | None = None
+        self.draft_model: DecoderModel | None = None
+        if self.speculative is not None and self.speculative.method == "draft_model":
+            self.draft_config = resolve_draft_config(args, self.speculative, model)
+            draft_args = draft_engine_args(args, self.speculative)
+            quant = resolve_quant_config(draft_args, self.draft_config, self.device.type)
+            self.draft_model, _ = load_model(
+                self.draft_config.weights, self.dtype, self.device, quant
+            )
+            logger.info(
+                "speculative decoding: draft model %s (%s weights)",
+                self.draft_config.name,
+                quant.method,
+            )
 
     def _load_shard(self, args: EngineArgs) -> TensorParallelDecoder:
         size = args.tensor_parallel_size
@@ -267,9 +286,12 @@ class Worker:
                     )
                 return self._profile_all_ranks(limits)
 
+        archs = [self.arch]
+        if self.draft_config is not None:
+            archs.append(self.draft_config.arch)  # its cache has as many blocks
         return kv_blocks_for_budget(
             args,
-            self.arch,
+            archs,
             self.dtype,
             scheduler.max_model_len,
             self._graph_scratch_blocks,
@@ -302,12 +324,57 @@ class Worker:
         lora = None
         if self.lora_config is not None:
             lora = LoRAManager(self.model, self.arch, self.lora_config)
-        return ModelRunner(*runner_args, profiler, graphs, self.model_config.pooler, lora)
+        drafter = None
+        if self.draft_model is not None:
+            assert self.draft_config is not None and self.speculative is not None
+            drafter = DraftModelRunner(
+                self.draft_model,
+                self.draft_config.arch,
+                cache,
+                self.device_config,
+                self.speculative.num_speculative_tokens,
+                self.arch.vocab_size,
+                self._graph_scratch_blocks,
+            )
+        return ModelRunner(*runner_args, profiler, graphs, self.model_config.pooler, lora, drafter)
+
+
+def draft_engine_args(args: EngineArgs, spec: SpeculativeConfig) -> EngineArgs:
+    """The settings a draft model loads with: its own path and quantization, generating."""
+    return dataclasses.replace(
+        args,
+        model=spec.draft_model,
+        quantization=spec.draft_quantization,
+        quantize_lm_head=None,
+        task="generate",
+        max_model_len=None,
+    )
+
+
+def resolve_draft_config(
+    args: EngineArgs, spec: SpeculativeConfig, target: ModelConfig
+) -> ModelConfig:
+    """The draft model's configuration; raises ValueError for a draft that cannot serve
+    beside `target`: a shorter context than the target's max_model_len, or sliding windows
+    on either model (their KV blocks are freed by the target's window only). That both
+    share a tokenizer is checked where the tokenizers load (EngineCore.from_args)."""
+    draft = resolve_model_config(draft_engine_args(args, spec))
+    if draft.max_model_len < target.max_model_len:
+        raise ValueError(
+            f"the draft model {draft.name} holds {draft.max_model_len} tokens, fewer than "
+            f"max_model_len={target.max_model_len}; lower --max-model-len"
+        )
+    if any(target.arch.layer_windows) or any(draft.arch.layer_windows):
+        raise ValueError(
+            "speculative decoding with a draft model does not run with sliding-window "
+            "attention (in the target or the draft model)"
+        )
+    return draft
 
 
 def kv_blocks_for_budget(
     args: EngineArgs,
-    arch: ModelArch,
+    archs: Sequence[ModelArch],
     dtype: torch.dtype,
     max_model_len: int,
     reserved_blocks: int,
@@ -317,8 +384,11 @@ def kv_blocks_for_budget(
     needed = cdiv(max_model_len, args.block_size)
     if args.num_kv_blocks is not None:
         return args.num_kv_blocks
-    per_block = kv_cache_bytes_per_block(
-        arch.num_layers, args.block_size, arch.num_kv_heads, arch.head_dim, dtype
+    per_block = sum(
+        kv_cache_bytes_per_block(
+            arch.num_layers, args.block_size, arch.num_kv_heads, arch.head_dim, dtype
+        )
+        for arch in archs
     )
     if args.kv_cache_memory is not None:
         fits = args.kv_cache_memory // per_block - reserved_blocks

@@ -103,3 +103,25 @@ def test_async_scheduling_through_the_core_process(tiny_model_dir: Path, servers
                         abs=1e-4,  # type: ignore[union-attr]
                     )
         assert server.wait_idle(10)
+
+
+def test_draft_model_through_the_core_process(tiny_model_dir: Path, servers) -> None:
+    """A draft model (here the target itself, so every draft is accepted) in the engine
+    core's process: the plain server's greedy text, streamed and not, and /metrics counts
+    its drafts."""
+    plain, _ = servers
+    spec = {"method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 3}
+    engine = tiny_engine(
+        tiny_model_dir, speculative_config=json.dumps(spec), engine_in_process=False
+    )
+    with LiveServer(engine, served_model_name="tiny") as server:
+        for prompt in (PROMPT, [40, 41, 42, 43]):
+            body = dict(model="tiny", prompt=prompt, max_tokens=30, temperature=0.0)
+            expected = client(plain).completions.create(**body)  # type: ignore[call-overload]
+            got = client(server).completions.create(**body)  # type: ignore[call-overload]
+            stream = client(server).completions.create(stream=True, **body)  # type: ignore[call-overload]
+            streamed = "".join(c.choices[0].text for c in stream if c.choices)
+            assert got.choices[0].text == expected.choices[0].text == streamed
+        drafted = server.metric("vllm:spec_decode_num_draft_tokens_total")
+        assert drafted > 0
+        assert server.metric("vllm:spec_decode_num_accepted_tokens_total") == drafted

@@ -31,6 +31,26 @@ def admit(manager: KVCacheManager, request: Request) -> list[int]:
     return manager.block_ids(request.request_id)
 
 
+def test_lookahead_slots_are_held_and_never_cached() -> None:
+    """A draft model's lookahead slots (speculative decoding) take blocks past the
+    scheduled tokens; only the scheduled tokens' full blocks are registered."""
+    manager = KVCacheManager(num_blocks=10, block_size=B)
+    request = make_request("a", list(range(8)))  # two full blocks
+    hits, _ = manager.get_computed_blocks(request)
+    assert manager.allocate_slots(request, 8, hits, num_lookahead_tokens=3) is not None
+    assert manager.block_ids("a") == [0, 1, 2]  # 8 tokens and 3 slots after them
+    assert len(manager.pool.cached) == 2
+    request.num_computed_tokens = 8
+    request.append_output_token(50)
+    # The next step's token fits; 4 lookahead slots more need a fourth block.
+    assert manager.allocate_slots(request, 1, None, 3) == []
+    new = manager.allocate_slots(request, 1, None, 4)
+    assert new is not None and [b.block_id for b in new] == [3]
+    assert len(manager.pool.cached) == 2
+    manager.free(request)
+    manager.check_invariants()
+
+
 def test_free_queue_is_fifo_with_o1_remove() -> None:
     blocks = [KVCacheBlock(i) for i in range(5)]
     queue = FreeBlockQueue(blocks)
