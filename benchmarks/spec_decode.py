@@ -1,11 +1,13 @@
 """Speculative decoding off against on, one stream, in one run (not a test).
 
     python benchmarks/spec_decode.py [--model DIR] [--rounds 2] [--k 4,8] \\
+        [--methods ngram,suffix,draft_model --draft-model DIR[:QUANTIZATION] ...] \\
         [--server-args "--quantization none"] [--out benchmarks/results/spec_decode]
 
 Servers of the default model (its Q4_1 weights by default), one after the other on the same
 port: `pagedserve serve` without speculation, then with `--speculative-config
-'{"method": M, "num_speculative_tokens": K}'` for each method M of --methods and each K.
+'{"method": M, "num_speculative_tokens": K}'` for each method M of --methods and each K
+(draft_model: once for each --draft-model, a path with an optional quantization).
 Each serves, one request at a time, greedy chat completions of two workloads:
 
   copy    "repeat this text" and "fix the typos in this text" over paragraphs the output
@@ -153,7 +155,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="default: the bundled default model")
     p.add_argument("--k", default="4,8", help="num_speculative_tokens values to run")
-    p.add_argument("--methods", default="ngram", help="ngram, suffix or both (ngram,suffix)")
+    p.add_argument("--methods", default="ngram", help="comma-separated: ngram, suffix, draft_model")
+    p.add_argument(
+        "--draft-model",
+        action="append",
+        default=[],
+        metavar="DIR[:QUANTIZATION]",
+        help="a draft model for draft_model, with its quantization (default auto); repeatable",
+    )
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--port", type=int, default=8124)
@@ -164,8 +173,17 @@ def main() -> None:
     servers: dict[str, str | None] = {"off": None}
     for method in args.methods.split(","):
         for k in args.k.split(","):
-            config = {"method": method, "num_speculative_tokens": int(k)}
-            servers[f"{method}-k{k}"] = json.dumps(config)
+            config: dict[str, Any] = {"method": method, "num_speculative_tokens": int(k)}
+            if method != "draft_model":
+                servers[f"{method}-k{k}"] = json.dumps(config)
+                continue
+            if not args.draft_model:
+                p.error("--methods draft_model needs --draft-model")
+            for draft in args.draft_model:
+                path, _, quantization = draft.partition(":")
+                config.update(model=path, quantization=quantization or "auto")
+                name = f"draft-{Path(path).name}-{quantization or 'auto'}-k{k}"
+                servers[name] = json.dumps(config)
     report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "rounds": []}
     for _ in range(args.rounds):
         report["rounds"].append({name: serve(name, s, args) for name, s in servers.items()})

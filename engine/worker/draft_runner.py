@@ -3,13 +3,13 @@ beside the target and proposes each request's next tokens greedily.
 
 Its KV cache has the target's block layout, and it uses the target's block tables: a
 block holds the target's keys and values in the target's cache and the draft's in this
-one. Every step, the draft runs over exactly the tokens the target runs (prompt chunks,
-decodes, verified drafts), so every block the target has computed, prefix-cache hits
-included, holds the draft's keys and values too, and a rejected draft's slot is written
-again by the next step like the target's. After the step's tokens are sampled, each
-request that can take drafts feeds its new token and then its own drafts, one position a
-pass, into the draft model: up to k passes, writing the slots the scheduler holds past the
-step's tokens (SchedulerConfig.num_lookahead_tokens).
+one. After each step's tokens are sampled, the draft's first pass runs over every row's
+tokens of that step that hold (prompt chunks, decoded tokens, accepted drafts; not the
+rejected ones), so every block the target has computed, prefix-cache hits included, holds
+the draft's keys and values too; a request that can take drafts adds the token it just
+sampled, whose logits give its first draft. Each further pass feeds each such request its
+last draft, one position a pass: up to k passes in all, writing the slots the scheduler
+holds past the step's tokens (SchedulerConfig.num_lookahead_tokens).
 
 Drafts are the draft model's argmax, a point mass, so the target's verification
 (sampler.py: greedy, or accept d with p(d) and else resample from p without d) keeps the
@@ -18,11 +18,12 @@ target's distribution exactly.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.attention import create_backend
 from engine.attention.backend import AttentionBackend, allocate_kv_cache
-from engine.attention.metadata import AttentionMetadata, build_step_metadata, upload
+from engine.attention.metadata import build_step_metadata, upload
 from engine.config import CacheConfig, DeviceConfig
 from engine.models.arch import ModelArch
 from engine.models.llama import DecoderModel
@@ -52,51 +53,68 @@ class DraftModelRunner:
             model, arch, cache_config, device_config.attention_backend, scratch_blocks
         )
 
-    def forward(self, input_ids: torch.Tensor, metadata: AttentionMetadata) -> None:
-        """Mutates the draft's KV cache: runs the draft over the target's step (the same
-        tokens, positions and slots); its hidden states are not needed."""
-        self.backend.plan(metadata)
-        self.model(input_ids, metadata.positions, self.backend)
-
     def propose(
-        self,
-        batch: StepBatch,
-        sampled: dict[int, tuple[int, int]],
+        self, batch: StepBatch, num_valid: list[int], sampled: dict[int, int]
     ) -> dict[str, list[int]]:
-        """Up to k drafts for each row of `sampled` (batch row -> (the token this step
-        sampled for it, that token's position)) whose request can take drafts; each pass
-        writes the draft's KV at the next position, within the slots its blocks hold."""
-        rows, tokens, positions, rooms = [], [], [], []
-        for row, (token, position) in sampled.items():
-            state = batch.requests[row]
-            if not can_draft(state.request.sampling_params):
-                continue
+        """Mutates the draft's KV cache. `num_valid`: per batch row, how many of its step's
+        tokens hold (all but its drafts, plus those it accepted); `sampled`: batch row ->
+        the token this step sampled for it. Returns up to k drafts for each sampled row
+        whose request can take drafts, by request id; each draft's KV goes within the
+        slots the row's blocks hold."""
+        drafting: dict[int, int] = {}  # row -> drafts it has room for
+        chunks: list[np.ndarray] = []
+        first = 0  # the row's first token in the step's input ids
+        for row, state in enumerate(batch.requests):
+            chunk = batch.input_ids[first : first + num_valid[row]]
+            first += batch.num_new[row]
+            position = batch.num_computed[row] + num_valid[row]  # the sampled token's
             room = min(self.k, len(state.block_ids) * self.block_size - position)
-            if room > 0:
-                rows.append(row)
-                tokens.append(token)
-                positions.append(position)
-                rooms.append(room)
-        drafts: list[list[int]] = [[] for _ in rows]
-        active = list(range(len(rows)))
-        for step in range(self.k):
-            active = [i for i in active if rooms[i] > step]
+            if row in sampled and room > 0 and can_draft(state.request.sampling_params):
+                drafting[row] = room
+                chunk = np.append(chunk, sampled[row])
+            chunks.append(chunk)
+        new = [len(c) for c in chunks]
+        ids = np.concatenate(chunks)
+        last = np.cumsum(new)[list(drafting)] - 1  # each drafting row's sampled token
+        tokens = self._pass(ids, batch.num_computed, new, batch.block_ids, last)
+        rows = list(drafting)
+        positions = [batch.num_computed[r] + num_valid[r] for r in rows]
+        drafts = [[t] for t in tokens]
+        for step in range(1, self.k):
+            active = [i for i, r in enumerate(rows) if drafting[r] > step]
             if not active:
                 break
-            tables = [batch.requests[rows[i]].block_ids for i in active]
-            host = build_step_metadata(
-                [positions[i] + step for i in active], [1] * len(active), tables, self.block_size
+            tokens = self._pass(
+                np.array([drafts[i][-1] for i in active], dtype=np.int64),
+                [positions[i] + step for i in active],
+                [1] * len(active),
+                [batch.requests[rows[i]].block_ids for i in active],
+                np.arange(len(active)),
             )
-            metadata = upload(host, self.device)
-            ids = torch.tensor([tokens[i] for i in active], dtype=torch.long, device=self.device)
-            self.backend.plan(metadata)
-            hidden = self.model(ids, metadata.positions, self.backend)
-            logits = self.model.compute_logits(hidden)[:, : self.vocab_size]
-            for i, token in zip(active, logits.argmax(dim=-1).tolist(), strict=True):
+            for i, token in zip(active, tokens, strict=True):
                 drafts[i].append(token)
-                tokens[i] = token
-        requests = [batch.requests[row].request.request_id for row in rows]
-        return dict(zip(requests, drafts, strict=True))
+        return {batch.requests[r].request.request_id: d for r, d in zip(rows, drafts, strict=True)}
+
+    def _pass(
+        self,
+        input_ids: np.ndarray,
+        num_computed: list[int],
+        num_new: list[int],
+        block_ids: list[list[int]],
+        logit_rows: np.ndarray,
+    ) -> list[int]:
+        """Mutates the draft's KV cache: one forward of the draft model; the argmax token
+        at each of `logit_rows` (within the target's vocabulary)."""
+        host = build_step_metadata(num_computed, num_new, block_ids, self.block_size)
+        metadata = upload(host, self.device)
+        self.backend.plan(metadata)
+        ids = torch.from_numpy(input_ids).to(self.device)
+        hidden = self.model(ids, metadata.positions, self.backend)
+        if not len(logit_rows):
+            return []
+        rows = hidden[torch.from_numpy(logit_rows).to(self.device)]
+        logits = self.model.compute_logits(rows)[:, : self.vocab_size]
+        return logits.argmax(dim=-1).tolist()
 
 
 def paged_kv_cache(
@@ -127,12 +145,3 @@ def paged_kv_cache(
         model.layer_sinks(),
     )
     return kv_cache, backend
-
-
-def sampled_positions(batch: StepBatch, rows: list[int], accepted: list[int]) -> list[int]:
-    """Where the token each of `rows` samples this step sits: after its step's tokens less
-    the drafts it verified, and after the drafts it accepted."""
-    return [
-        batch.num_computed[r] + batch.num_new[r] - batch.num_drafts[r] + a
-        for r, a in zip(rows, accepted, strict=True)
-    ]

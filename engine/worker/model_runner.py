@@ -34,7 +34,7 @@ from engine.pooling import PoolerConfig
 from engine.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.cpu_threads import StepThreads
 from engine.worker.cuda_graphs import CudaGraphConfig, CudaGraphRunner, pad_decode_batch
-from engine.worker.draft_runner import DraftModelRunner, paged_kv_cache, sampled_positions
+from engine.worker.draft_runner import DraftModelRunner, paged_kv_cache
 from engine.worker.grammar_bitmask import GrammarBitmask
 from engine.worker.input_batch import InputBatch, StepBatch
 from engine.worker.lora_manager import LoRAManager
@@ -259,9 +259,6 @@ class ModelRunner:
                 hidden = self.graphs.replay(graph_size, len(batch.requests))
             else:
                 hidden = self.model(ids, md.positions, self.backend)
-        if self.drafter is not None:
-            with self.profiler.section("draft"):
-                self.drafter.forward(ids, md)
         return hidden, host
 
     def _fill_placeholders(self, ids: torch.Tensor, placeholders: list[tuple[int, str]]) -> None:
@@ -332,19 +329,16 @@ class ModelRunner:
         `tokens` plainly; the other `live` rows verified drafts (`verified`)."""
         if self.drafter is None:
             return {}
-        sampled_tokens = [] if tokens is None else tokens.tolist()
-        verified_rows = [r for r in live if batch.num_drafts[r]]
+        sampled = dict(zip(rows, [] if tokens is None else tokens.tolist(), strict=True))
         verified_tokens, accepted, _ = verified
-        for r in verified_rows:
-            sampled_tokens.append(verified_tokens[batch.requests[r].request.request_id])
-        all_rows = [*rows, *verified_rows]
-        num_accepted = [0] * len(rows) + [
-            len(accepted[batch.requests[r].request.request_id]) for r in verified_rows
-        ]
-        positions = sampled_positions(batch, all_rows, num_accepted)
-        sampled = {r: (t, p) for r, t, p in zip(all_rows, sampled_tokens, positions, strict=True)}
+        num_valid = [n - d for n, d in zip(batch.num_new, batch.num_drafts, strict=True)]
+        for r in live:
+            rid = batch.requests[r].request.request_id
+            if batch.num_drafts[r]:
+                sampled[r] = verified_tokens[rid]
+                num_valid[r] += len(accepted[rid])
         with self.profiler.section("draft"):
-            return self.drafter.propose(batch, sampled)
+            return self.drafter.propose(batch, num_valid, sampled)
 
     def _verify(
         self, hidden: torch.Tensor, host: StepMetadata, batch: StepBatch, rows: list[int]
