@@ -12,20 +12,15 @@ from engine.spec_decode.config import SpeculativeConfig
 
 
 def can_draft(params: SamplingParams) -> bool:
-    """Whether a request with these parameters takes drafts. Verification samples each
-    position from the same filtered distribution a plain step would (temperature, top-k,
-    top-p, min-p), and reports each token's logprobs as a plain step would; what makes a
-    position depend on the tokens drafted before it in the same step (penalties, logit
-    bias, min_tokens), a seed (whose draws are tied to the output index) and prompt
-    logprobs decode one token a step instead. A grammar keeps the drafts it allows
+    """Whether a request with these parameters takes drafts: all but those that want
+    prompt logprobs. Verification samples each position from what a plain step would
+    sample from: the filtered distribution (temperature, top-k, top-p, min-p), after the
+    penalties, logit bias and min_tokens mask of the output as it would be with the drafts
+    before it accepted; a seeded request draws at each position the noise of that output
+    index, so it makes the plain engine's tokens (engine/worker/sampler.py). Logprobs are
+    reported as a plain step reports them. A grammar keeps the drafts it allows
     (grammar_checked)."""
-    return (
-        params.seed is None
-        and params.prompt_logprobs is None
-        and not params.logit_bias
-        and not params.needs_penalties
-        and params.min_tokens == 0
-    )
+    return params.prompt_logprobs is None
 
 
 class NgramProposer:

@@ -145,8 +145,16 @@ class Sampler:
         with probability p(d); a rejection draws from the residual max(0, p - q), which is
         p without d, renormalised; all accepted, the next token is drawn from p at the
         last position. Each output token is thereby distributed as p, exactly as in a
-        plain step. Needs no per-position processing (see spec_decode.can_draft)."""
-        assert not _needs_processing(row), "drafts are not proposed for processed rows"
+        plain step.
+
+        A row whose logits depend on its output so far (penalties, min_tokens), with a
+        logit bias, or seeded, samples each position as a plain step would with the drafts
+        before it accepted (their penalties, the seeded noise of that output index), and
+        accepts drafts while each is the token sampled: each token is drawn from its
+        position's distribution given the tokens before it, and a seeded request makes
+        the plain engine's tokens."""
+        if _needs_processing(row) or row.params.seed is not None:
+            return self._verify_per_position(logits, row, drafts)
         logits = logits[:, : self.vocab_size]
         num = len(drafts)
         if row.params.greedy:
@@ -165,6 +173,21 @@ class Sampler:
             final[drafts[accepted]] = 0.0
         noise = torch.rand(final.shape, dtype=final.dtype, device=final.device).log_().neg_()
         return list(drafts[:accepted]), int(argmax_rows((final / noise)[None])[0])
+
+    def _verify_per_position(
+        self, logits: torch.Tensor, row: SamplingRow, drafts: Sequence[int]
+    ) -> tuple[list[int], int]:
+        """verify() by sampling each position as its own plain step (see there)."""
+        outputs = row.output_token_ids
+        rows = [
+            SamplingRow(
+                row.params, row.prompt_token_ids, [*outputs, *drafts[:i]], row.stop_token_ids
+            )
+            for i in range(len(drafts) + 1)
+        ]
+        tokens = self.sample(logits[:, : self.vocab_size], rows).tolist()
+        accepted = next((i for i, d in enumerate(drafts) if tokens[i] != d), len(drafts))
+        return list(drafts[:accepted]), tokens[accepted]
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         device = logits.device

@@ -5,8 +5,8 @@ tables), then proposes greedily. Greedy output equals transformers token for tok
 float32 batched, alone, chunked, from the prefix cache and after preemption, with a draft
 that agrees with the target only in part. A draft identical to the target has every draft
 accepted, which holds only if its KV cache is right in each of those modes (prefix hits
-included: those blocks were written by another request's step). Requests that take no
-drafts (penalties, seeds) are unchanged, and a draft model that cannot serve beside the
+included: those blocks were written by another request's step). Penalised and seeded
+requests make the plain engine's tokens, and a draft model that cannot serve beside the
 target is refused with its reason.
 """
 
@@ -108,10 +108,10 @@ def test_a_draft_equal_to_the_target_has_every_draft_accepted(models) -> None:
             assert llm.core.scheduler.kv_cache.counters.hits > 0
 
 
-def test_requests_that_take_no_drafts_are_unchanged(models) -> None:
-    """Penalties and seeds decode one token a step beside requests that take drafts
-    (greedy with logprobs, sampled): the deterministic outputs are those of the plain
-    engine, and the sampled one runs to its length."""
+def test_penalised_and_seeded_requests_give_the_plain_engines_tokens(models) -> None:
+    """Requests with logprobs, penalties or a seed take the draft model's drafts beside a
+    sampled one: the deterministic outputs (the seeded one too) are the plain engine's, and
+    the sampled one runs to its length."""
     target, draft, prompts, _ = models
     params = [
         SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True),

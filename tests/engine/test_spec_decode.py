@@ -2,8 +2,8 @@
 
 Greedy output equals transformers token for token in float32 with drafts verified alone,
 batched, chunked, from the prefix cache and after preemption; stops inside accepted drafts
-end the output where a plain step would; requests that cannot take drafts (logprobs,
-penalties, seeds, grammars) give exactly the plain engine's output; and rejection
+end the output where a plain step would; penalised, biased and seeded requests give
+exactly the plain engine's tokens; and rejection
 sampling draws each token from the filtered softmax, over many draws with a fixed seed.
 """
 
@@ -318,27 +318,48 @@ def test_constrained_requests_verify_the_drafts_their_grammar_allows(tmp_path: P
     assert counts[2] > 0
 
 
-def test_requests_that_take_no_drafts_are_unchanged(model) -> None:
-    """Penalties and seeds decode one token a step, beside requests that take drafts
-    (greedy, with logprobs): every output as without speculation."""
+# Requests whose tokens depend on the output before them (penalties, min_tokens), biased or
+# seeded: verification samples each position as a plain step would.
+PER_POSITION = [
+    SamplingParams(temperature=0.0, max_tokens=16, min_tokens=9),
+    SamplingParams(temperature=1.0, seed=5, max_tokens=16, ignore_eos=True),
+    SamplingParams(
+        temperature=0.0, max_tokens=16, frequency_penalty=0.5, presence_penalty=0.3, min_tokens=9
+    ),
+    SamplingParams(temperature=0.7, top_k=5, seed=11, max_tokens=16, logit_bias={7: 3.0}),
+]
+
+
+def test_penalised_biased_and_seeded_requests_give_the_plain_engines_tokens(model) -> None:
+    """Penalties, min_tokens, a logit bias and seeds take drafts, and verification makes
+    exactly the tokens of the plain engine (the seeded ones too: each position draws its
+    output index's noise), with drafts accepted."""
     path, prompts, _ = model
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True),
-        SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.4, ignore_eos=True),
-        SamplingParams(temperature=1.0, seed=5, max_tokens=12, ignore_eos=True),
-        GREEDY,
-    ]
+
+    def run(llm: LLM) -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, PER_POSITION)]
+
+    assert run(spec_llm(path)) == run(tiny_llm(path))
+    _, counts, _ = tokens_and_stats(spec_llm(path), prompts, PER_POSITION)
+    assert counts[2] > 0
+
+
+def test_logprobs_with_penalties_are_the_raw_distributions(model) -> None:
+    """A penalised request with logprobs takes drafts and reports each token's logprob of
+    the raw distribution, as a plain step does."""
+    path, prompts, _ = model
+    params = SamplingParams(
+        temperature=0.0, max_tokens=12, logprobs=2, repetition_penalty=1.3, ignore_eos=True
+    )
 
     def run(llm: LLM) -> list:
-        outputs = llm.generate(prompts, params)
-        return [
-            (o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs or []])
-            for o in outputs
-        ]
+        outputs = [o.outputs[0] for o in llm.generate(prompts, params)]
+        return [(c.token_ids, [lp.logprob for lp in c.logprobs or []]) for c in outputs]
 
     plain, spec = run(tiny_llm(path)), run(spec_llm(path))
     assert [t for t, _ in spec] == [t for t, _ in plain]
-    assert spec[0][1] == pytest.approx(plain[0][1], abs=1e-5) and len(spec[0][1]) == 12
+    for (_, ours), (_, theirs) in zip(spec, plain, strict=True):
+        assert ours == pytest.approx(theirs, abs=1e-5) and len(ours) == 12
 
 
 @pytest.mark.parametrize(
@@ -374,6 +395,44 @@ def test_rejection_sampling_keeps_the_distribution(params: SamplingParams) -> No
     assert (first / draws - probs[0]).abs().max() < 0.015
     assert (second / second.sum() - probs[1]).abs().max() < 0.02
     assert second[drafts[1]] / second.sum() == pytest.approx(probs[1, drafts[1]].item(), abs=0.01)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0, frequency_penalty=2.0, presence_penalty=1.0),
+        SamplingParams(temperature=0.0, repetition_penalty=3.0),
+        SamplingParams(temperature=0.0, min_tokens=3, logit_bias={4: 1.5}),
+        SamplingParams(temperature=1.0, seed=7),
+        SamplingParams(temperature=0.9, top_p=0.8, seed=3, presence_penalty=1.5),
+    ],
+    ids=["frequency", "repetition", "min_tokens", "seed", "seed-penalised"],
+)
+def test_per_position_verification_is_the_plain_steps_sampling(params: SamplingParams) -> None:
+    """A processed or seeded row verifies as plain steps would sample, one after another,
+    each seeing the tokens before it (penalties, min_tokens) and its own output index (the
+    seed's noise): drafts equal to those tokens are all accepted, and a wrong one stops
+    acceptance there with the plain step's token."""
+    torch.manual_seed(0)
+    vocab, num = 24, 4
+    logits = torch.randn(num + 1, vocab)
+    logits[:, 9] += 4.0  # a likely token, which the penalties push down once it is out
+    sampler = Sampler(vocab)
+    stops = (2,)  # the stop token, masked below min_tokens
+    logits[:, 2] += 6.0
+    outputs: list[int] = [5]
+    plain: list[int] = []
+    for i in range(num + 1):
+        row = SamplingRow(params, [1, 9], [*outputs, *plain], stops)
+        plain.append(int(sampler.sample(logits[i : i + 1], [row])[0]))
+    row = SamplingRow(params, [1, 9], outputs, stops)
+    assert sampler.verify(logits, row, plain[:num]) == (plain[:num], plain[num])
+    wrong = (plain[2] + 1) % vocab
+    drafts = [*plain[:2], wrong, *plain[3:num]]
+    accepted, token = sampler.verify(logits, row, drafts)
+    assert accepted == plain[:2]
+    if params.seed is not None or params.greedy:
+        assert token == plain[2]  # the plain step's own draw at that index
 
 
 def test_refused_where_it_cannot_run(model) -> None:
