@@ -90,11 +90,24 @@ class StructuredOutputRequest:
 
     def valid_drafts(self, drafts: list[int]) -> list[int]:
         """The longest prefix of `drafts` the grammar allows from here (speculative
-        decoding); none while the output may still open or be inside reasoning, whose
-        tokens the grammar does not see."""
+        decoding). Inside reasoning, which the grammar does not see: the drafts before the
+        one that would end it, so that every verified position is unconstrained (the
+        target model may still end it there itself). None while the output may still open
+        reasoning."""
+        if self.phase == "reasoning" and self.reasoning is not None:
+            return drafts[: self._reasoning_room(self.reasoning, drafts)]
         if self.matcher is None or self.phase != "grammar" or self.matcher.is_terminated():
             return []
         return drafts[: self.matcher.validate_tokens(drafts)]
+
+    def _reasoning_room(self, bounds: ReasoningBounds, drafts: list[int]) -> int:
+        """How many of `drafts`, from the first, leave the reasoning open."""
+        recent = list(self._recent)
+        for i, token in enumerate(drafts):
+            recent.append(token)
+            if any(tuple(recent[-len(end) :]) == end for end in bounds.end_ids):
+                return i
+        return len(drafts)
 
     def fill_draft_bitmasks(self, drafts: list[int], addresses: list[int], num_bytes: int) -> None:
         """The bitmask before each draft and after the last (len(drafts) + 1 addresses):

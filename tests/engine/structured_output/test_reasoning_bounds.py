@@ -115,3 +115,47 @@ def test_multi_token_end_markers_and_preemption(model_dir: Path, llm: LLM) -> No
 def test_bounds_need_an_end() -> None:
     with pytest.raises(RequestValidationError):
         ReasoningBounds(end_ids=())
+
+
+def test_speculative_drafts_inside_the_reasoning(model_dir: Path, llm: LLM) -> None:
+    """With n-gram speculation, drafts are taken inside the reasoning (unconstrained) up to
+    the one that would end it, and the greedy outputs are the plain engine's token for
+    token, reasoning (a two-token end marker) and constrained answer."""
+    from engine.request import Request
+
+    bounds = ReasoningBounds(end_ids=((END, THINK),), opened=True)
+    sampling = SamplingParams(
+        temperature=0.0,
+        max_tokens=200,
+        logit_bias={THINK: 2.5, END: 1.5, EOS: -100.0},
+        structured_outputs=replace(JSON, reasoning=bounds),
+    )
+    # Prompts that repeat themselves, so that their n-grams recur in the reasoning.
+    prompts = [list(range(20 + i, 40 + i)) * 3 for i in range(4)]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, sampling)]
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
+    fast = LLM(
+        str(model_dir), dtype="float32", num_kv_blocks=128, max_model_len=384,
+        speculative_config=spec,
+    )  # fmt: skip
+    core = fast.core
+    for i, prompt in enumerate(prompts):
+        core.add_request(Request(str(i), prompt, sampling))
+    got: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    in_reasoning = 0
+    while core.has_unfinished_requests():
+        reasoning = {
+            r.request_id: r.structured.phase == "reasoning"
+            for r in core.scheduler.running
+            if r.structured is not None
+        }
+        result = core.step()
+        accepted = result.stats.spec_num_accepted_tokens
+        if accepted and all(reasoning.values()) and reasoning:
+            in_reasoning += accepted
+        for o in result.outputs:
+            got[o.request_id].extend(o.new_token_ids)
+    assert [got[str(i)] for i in range(len(prompts))] == expected
+    assert in_reasoning > 0
+    for tokens in expected:
+        assert any(tokens[i - 1 : i + 1] == [END, THINK] for i in range(1, len(tokens)))
