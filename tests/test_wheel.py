@@ -52,6 +52,12 @@ def checkout_copy(dest: Path) -> Path:
     return dest
 
 
+def environ_without_checkout() -> dict[str, str]:
+    """This process's environment less PYTHONPATH, which may name this checkout (a run as
+    `PYTHONPATH=. python -m pytest`): the venvs must not see it."""
+    return {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+
+
 def borrowing_venv(path: Path) -> Path:
     """A new venv (no pip of its own) that sees this venv's site-packages after its own."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
@@ -70,7 +76,8 @@ def build_wheel(tmp_path: Path) -> Path:
     subprocess.run(
         [str(python), "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--no-index",
          "-w", str(dist), str(source)],
-        env={**os.environ, "PAGEDSERVE_CPU_ISAS": "native"}, check=True, capture_output=True,
+        env={**environ_without_checkout(), "PAGEDSERVE_CPU_ISAS": "native"},
+        check=True, capture_output=True,
     )  # fmt: skip
     [wheel] = dist.glob("pagedserve-*.whl")
     return wheel
@@ -82,7 +89,7 @@ def compiler_free_env(venv: Path) -> dict[str, str]:
         assert shutil.which(compiler, path=path) is None, compiler
     nowhere = str(venv / "no-compiler-here")
     assert not Path(nowhere).exists()
-    return {**os.environ, "PATH": path, "CC": nowhere, "CXX": nowhere}
+    return {**environ_without_checkout(), "PATH": path, "CC": nowhere, "CXX": nowhere}
 
 
 def pagedserve(venv: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
