@@ -108,7 +108,7 @@ def _subcommand_flags() -> dict[str, set[str]]:
 
 def test_environment_variables_in_the_docs_exist() -> None:
     known = {env_name(o.name) for o in engine_options() + server_options()}
-    other = {"PAGEDSERVE_CACHE_DIR", "PAGEDSERVE_CPU_ISA"}
+    other = {"PAGEDSERVE_CACHE_DIR", "PAGEDSERVE_CPU_ISA", "PAGEDSERVE_CPU_ISAS"}
     for path in [ROOT / "README.md", *PAGES]:
         for name in set(re.findall(r"\bPAGEDSERVE_[A-Z0-9_]+\b", path.read_text())):
             if name.endswith("_"):

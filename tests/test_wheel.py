@@ -5,10 +5,18 @@ Two fresh venvs borrow this venv's third-party packages (torch, transformers, ..
 a .pth line instead of downloading them again: the build venv A builds the wheel from a
 copy of the checkout's files, the run venv B installs it and runs it with a PATH that
 holds no compiler. Neither sees this checkout or its editable install.
+
+The wheel is built with PAGEDSERVE_CPU_ISAS=native: the kernels of the sets this CPU runs
+alone, a shorter build wherever it lacks some set (each extra set is about a sixth of the
+build; the entry points, which parse torch's headers, are about two fifths). The default
+build of every set is the one `make install` makes for the other tests
+(tests/engine/ops/test_loader.py checks its sets).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -16,12 +24,16 @@ import sys
 import sysconfig
 import zipfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
 
 from tests.server.live import free_port, wait_ready
 from tests.tiny_models import make_tiny_model
+
+if TYPE_CHECKING:
+    from types import ModuleType
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPILERS = ("c++", "g++", "gcc", "cc", "clang", "clang++")
@@ -42,6 +54,12 @@ def checkout_copy(dest: Path) -> Path:
     return dest
 
 
+def environ_without_checkout() -> dict[str, str]:
+    """This process's environment less PYTHONPATH, which may name this checkout (a run as
+    `PYTHONPATH=. python -m pytest`): the venvs must not see it."""
+    return {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+
+
 def borrowing_venv(path: Path) -> Path:
     """A new venv (no pip of its own) that sees this venv's site-packages after its own."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
@@ -60,6 +78,7 @@ def build_wheel(tmp_path: Path) -> Path:
     subprocess.run(
         [str(python), "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--no-index",
          "-w", str(dist), str(source)],
+        env={**environ_without_checkout(), "PAGEDSERVE_CPU_ISAS": "native"},
         check=True, capture_output=True,
     )  # fmt: skip
     [wheel] = dist.glob("pagedserve-*.whl")
@@ -72,7 +91,7 @@ def compiler_free_env(venv: Path) -> dict[str, str]:
         assert shutil.which(compiler, path=path) is None, compiler
     nowhere = str(venv / "no-compiler-here")
     assert not Path(nowhere).exists()
-    return {**os.environ, "PATH": path, "CC": nowhere, "CXX": nowhere}
+    return {**environ_without_checkout(), "PATH": path, "CC": nowhere, "CXX": nowhere}
 
 
 def pagedserve(venv: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
@@ -140,11 +159,19 @@ def test_the_wheel_serves_with_its_native_kernels_without_a_compiler(tmp_path: P
 
     assert f"native kernels: {native_kernels().isa}" in info.stdout, info.stdout + info.stderr
     assert "attention: cpu-native (auto: the native CPU kernels load)" in info.stdout
+    # Built for this CPU: the portable set and the sets it runs (which the checkout's module,
+    # holding every set, finds in CPUID), no other; the best of them serves, as with all.
+    this_cpu = native_kernels().supported
+    assert f"kernels built: {' '.join(this_cpu)}\n" in info.stdout, info.stdout
+    assert f"kernels this CPU runs: {' '.join(this_cpu)}\n" in info.stdout
+    best = f"native kernels: {native_kernels().best} (auto: best this CPU runs)"
+    assert best in info.stdout
 
     model = make_tiny_model("llama", tmp_path / "model")
     log = tmp_path / "server.log"
     served = serve_greedy(venv, env, model, log)
     assert "attention cpu-native" in log.read_text()
+    assert f"native kernels {native_kernels().best} (auto: best this CPU runs)" in log.read_text()
     assert served == torch_backend_greedy(model)
 
     # Without its module the install falls back to torch, and says why.
@@ -158,3 +185,77 @@ def test_the_wheel_serves_with_its_native_kernels_without_a_compiler(tmp_path: P
     assert "native CPU kernels unavailable" in fallback.stderr
     refused = pagedserve(venv, env, "info", "--attention-backend", "cpu-native")
     assert refused.returncode == 2 and "'cpu-native' is unavailable" in refused.stderr
+
+
+@functools.cache
+def setup_script() -> ModuleType:
+    """setup.py as a module: its helpers, without the build its `__main__` block runs."""
+    spec = importlib.util.spec_from_file_location("pagedserve_setup", ROOT / "setup.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+EVERY_SET = ["avx2", "avx512", "avx512_bf16"]
+ZEN3 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma f16c bmi2\nbugs\t\t: spectre_v1\n"
+SKYLAKE_X = ZEN3.replace("bmi2", "bmi2 avx512f avx512dq avx512bw avx512vl")
+ZEN4 = SKYLAKE_X.replace("avx512vl", "avx512vl avx512_bf16 avx512_vnni")
+
+
+def test_the_build_setting_picks_the_extra_sets() -> None:
+    """PAGEDSERVE_CPU_ISAS: all sets by default, this CPU's sets for `native` (whole
+    /proc/cpuinfo flags, every flag a set is compiled with), or the sets named, always
+    smallest first (the link order); off x86-64, the portable set alone."""
+    extra_isas = setup_script().extra_isas
+    for setting in (None, "", " ", "all"):
+        assert extra_isas(setting, x86=True) == EVERY_SET
+        assert extra_isas(setting, x86=False) == []
+    assert extra_isas("native", ZEN3, x86=True) == ["avx2"]
+    assert extra_isas("native", SKYLAKE_X, x86=True) == ["avx2", "avx512"]
+    assert extra_isas("native", ZEN4, x86=True) == EVERY_SET
+    assert extra_isas("native", ZEN3.replace(" f16c", ""), x86=True) == []
+    assert extra_isas("native", SKYLAKE_X.replace(" avx512dq", ""), x86=True) == ["avx2"]
+    assert extra_isas("native", ZEN3.replace("avx2", "avx2x"), x86=True) == []  # whole flags
+    assert extra_isas("native", "processor\t: 0\n", x86=True) == []
+    assert extra_isas("native", ZEN4, x86=False) == []
+    assert extra_isas("avx512_bf16, avx2", x86=True) == ["avx2", "avx512_bf16"]
+    assert extra_isas("avx512,avx2,avx512", x86=True) == ["avx2", "avx512"]
+    assert extra_isas("avx2,portable", x86=True) == ["avx2"]
+    assert extra_isas("portable", x86=True) == extra_isas("portable", x86=False) == []
+
+
+def test_the_build_setting_refuses_what_it_cannot_build_naming_the_choices() -> None:
+    extra_isas = setup_script().extra_isas
+    with pytest.raises(ValueError) as refused:
+        extra_isas("avx2,sse9,AVX512", x86=True)
+    assert str(refused.value) == (
+        "PAGEDSERVE_CPU_ISAS=avx2,sse9,AVX512: unknown instruction set sse9, AVX512; choose "
+        "all (the default), native, or a comma-separated list of avx2, avx512, avx512_bf16"
+    )
+    for setting in ("all,avx2", "native,avx512", "native,all"):
+        with pytest.raises(ValueError, match=f"^PAGEDSERVE_CPU_ISAS={setting}: all and native "):
+            extra_isas(setting, ZEN4, x86=True)
+    with pytest.raises(ValueError, match=r"avx2: x86-64 only; this machine \(.*\) builds the "):
+        extra_isas("avx2", x86=False)
+
+
+def test_setup_py_fails_on_an_unknown_set_and_defines_a_macro_per_set_built() -> None:
+    """The setting reaches setup.py's build, which fails before compiling anything on an
+    unknown set; the extension defines the macro of each set it builds, the one
+    dispatch.cpp and kernels.h test."""
+    env = {**os.environ, "PAGEDSERVE_CPU_ISAS": "avx3"}
+    failed = subprocess.run(
+        [sys.executable, "setup.py", "--version"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert failed.returncode == 1
+    assert "PAGEDSERVE_CPU_ISAS=avx3: unknown instruction set avx3; choose all" in failed.stderr
+    setup = setup_script()
+    macros = dict(setup.kernels_extension(["avx2", "avx512_bf16"]).define_macros)
+    built = {name for name in macros if name.startswith("PAGEDSERVE_WITH_ISA_")}
+    assert built == {"PAGEDSERVE_WITH_ISA_AVX2", "PAGEDSERVE_WITH_ISA_AVX512_BF16"}
+    csrc = ROOT / "engine" / "ops" / "csrc"
+    for isa in setup.EXTRA_ISAS:
+        for source in ("dispatch.cpp", "kernels.h"):
+            assert f"#ifdef {setup.isa_macro(isa)}\n" in (csrc / source).read_text(), source

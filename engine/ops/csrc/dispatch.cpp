@@ -1,7 +1,8 @@
 // Which instruction set's kernels run (kernels.h): the best one this CPU supports, found
 // once from its CPUID features (with the OS's support for the AVX-512 registers, which
 // __builtin_cpu_supports checks too), unless select_cpu_isa picked another this CPU runs.
-// Also the ops that say what this build holds.
+// Only the sets this build holds (the PAGEDSERVE_WITH_ISA_* macros setup.py defines) are
+// in the table. Also the ops that say what this build holds.
 
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -24,20 +25,26 @@ namespace {
 
 bool always() { return true; }
 
-#ifdef PAGEDSERVE_WITH_X86_ISAS
-// Everything each set is compiled with (setup.py's -m flags).
+// Everything each set is compiled with (setup.py's -m flags); each check is defined where
+// a set built needs it (a larger set's check starts from the smaller one's).
+#if defined(PAGEDSERVE_WITH_ISA_AVX2) || defined(PAGEDSERVE_WITH_ISA_AVX512) || \
+    defined(PAGEDSERVE_WITH_ISA_AVX512_BF16)
 bool has_avx2() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
          __builtin_cpu_supports("f16c");
 }
+#endif
 
+#if defined(PAGEDSERVE_WITH_ISA_AVX512) || defined(PAGEDSERVE_WITH_ISA_AVX512_BF16)
 bool has_avx512() {
   return has_avx2() && __builtin_cpu_supports("avx512f") &&
          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
          __builtin_cpu_supports("avx512dq");
 }
+#endif
 
+#ifdef PAGEDSERVE_WITH_ISA_AVX512_BF16
 bool has_avx512_bf16() { return has_avx512() && __builtin_cpu_supports("avx512bf16"); }
 #endif
 
@@ -61,9 +68,13 @@ struct IsaEntry {
 // Best first.
 const std::vector<IsaEntry>& isa_table() {
   static const std::vector<IsaEntry> isas = {
-#ifdef PAGEDSERVE_WITH_X86_ISAS
+#ifdef PAGEDSERVE_WITH_ISA_AVX512_BF16
       {PAGEDSERVE_KERNELS("avx512_bf16", isa_avx512_bf16), &has_avx512_bf16},
+#endif
+#ifdef PAGEDSERVE_WITH_ISA_AVX512
       {PAGEDSERVE_KERNELS("avx512", isa_avx512), &has_avx512},
+#endif
+#ifdef PAGEDSERVE_WITH_ISA_AVX2
       {PAGEDSERVE_KERNELS("avx2", isa_avx2), &has_avx2},
 #endif
       {PAGEDSERVE_KERNELS("portable", isa_portable), &always},

@@ -15,6 +15,11 @@
 // CPU). The build links the baseline objects first and the others in the order above, so
 // an inline function of a shared header (std::, c10::) that the linker merges keeps the
 // copy of the smallest set that has one, which every caller's CPU can run.
+//
+// The baseline set is always built; each extra one only where setup.py defines its macro,
+// PAGEDSERVE_WITH_ISA_AVX2, _AVX512 or _AVX512_BF16 (all of them by default on x86-64; a
+// subset with PAGEDSERVE_CPU_ISAS), so the declarations below and dispatch.cpp's table
+// name exactly the sets linked.
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -362,9 +367,20 @@ inline const Kernels& kernels_for(const std::optional<std::string>& isa) {
                   TileClaims& claims);                                                    \
   }
 
+#if defined(PAGEDSERVE_WITH_ISA_AVX2) || defined(PAGEDSERVE_WITH_ISA_AVX512) || \
+    defined(PAGEDSERVE_WITH_ISA_AVX512_BF16)
+#ifndef __x86_64__
+#error "the AVX sets are x86-64 only (setup.py builds the portable set alone elsewhere)"
+#endif
+#endif
+
 PAGEDSERVE_DECLARE_KERNELS(isa_portable)
-#ifdef PAGEDSERVE_WITH_X86_ISAS
+#ifdef PAGEDSERVE_WITH_ISA_AVX2
 PAGEDSERVE_DECLARE_KERNELS(isa_avx2)
+#endif
+#ifdef PAGEDSERVE_WITH_ISA_AVX512
 PAGEDSERVE_DECLARE_KERNELS(isa_avx512)
+#endif
+#ifdef PAGEDSERVE_WITH_ISA_AVX512_BF16
 PAGEDSERVE_DECLARE_KERNELS(isa_avx512_bf16)
 #endif

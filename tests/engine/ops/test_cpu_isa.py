@@ -24,7 +24,7 @@ def test_the_module_lists_every_set_it_holds_and_those_this_cpu_runs() -> None:
     kernels = native_kernels()
     assert kernels.built == (
         ("avx512_bf16", "avx512", "avx2", "portable") if X86 else ("portable",)
-    )
+    ), "the tests run the build of every set: PAGEDSERVE_CPU_ISAS unset (docs/install.md)"
     assert kernels.built == tuple(ops.built_isas())
     assert kernels.supported == tuple(isa for isa in kernels.built if isa in kernels.supported)
     assert kernels.supported[-1] == "portable"

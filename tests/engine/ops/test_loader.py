@@ -61,7 +61,9 @@ def test_build_info_matches_this_torch_and_these_sources() -> None:
     info = dict(torch.ops.pagedserve.build_info())
     assert info["torch"] == torch.__version__.split("+")[0]
     assert info["sources_sha256"] == sources_sha256()
-    assert info["isas"] == ("avx512_bf16 avx512 avx2 portable" if X86 else "portable")
+    assert info["isas"] == ("avx512_bf16 avx512 avx2 portable" if X86 else "portable"), (
+        "the tests run the build of every set: PAGEDSERVE_CPU_ISAS unset (docs/install.md)"
+    )
     check_build_info(info)
 
 
