@@ -40,17 +40,16 @@ class DraftModelRunner:
         device_config: DeviceConfig,
         num_speculative_tokens: int,
         vocab_size: int,
-        scratch_blocks: int = 0,
     ) -> None:
-        """`vocab_size`: the target's; drafts are drawn below it. `scratch_blocks`: the
-        target's CUDA-graph scratch block, which padded rows write here too."""
+        """`vocab_size`: the target's; drafts are drawn below it. The draft runs eagerly,
+        never on a CUDA graph's padded batch, so its cache needs no scratch block."""
         self.model = model
         self.k = num_speculative_tokens
         self.vocab_size = vocab_size
         self.block_size = cache_config.block_size
         self.device = next(model.parameters()).device
         self.kv_cache, self.backend = paged_kv_cache(
-            model, arch, cache_config, device_config.attention_backend, scratch_blocks
+            model, arch, cache_config, device_config.attention_backend, 0
         )
 
     def propose(

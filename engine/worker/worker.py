@@ -334,7 +334,6 @@ class Worker:
                 self.device_config,
                 self.speculative.num_speculative_tokens,
                 self.arch.vocab_size,
-                self._graph_scratch_blocks,
             )
         return ModelRunner(*runner_args, profiler, graphs, self.model_config.pooler, lora, drafter)
 

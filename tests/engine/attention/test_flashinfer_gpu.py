@@ -13,6 +13,7 @@ best logits are within rounding noise; `assert_greedy_matches` allows exactly th
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -180,22 +181,37 @@ def gpu_llm(path: Path, **kwargs: object) -> LLM:
 
 @pytest.mark.parametrize(
     "mode",
-    ["cuda-graphs", "eager", "chunked-prefill", "preempted", "synchronous"],
+    [
+        "cuda-graphs",
+        "eager",
+        "chunked-prefill",
+        "preempted",
+        "synchronous",
+        "ngram",
+        "draft-model",
+    ],
 )
 def test_greedy_matches_transformers(gpu_model, mode: str) -> None:
-    """Async scheduling is on by default on CUDA; "synchronous" turns it off."""
+    """Async scheduling is on by default on CUDA; "synchronous" and speculative decoding
+    (n-gram drafts, the model as its own draft model) turn it off."""
     path, prompts, (reference, margins) = gpu_model
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    draft = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}
     kwargs: dict[str, object] = {
         "cuda-graphs": {},
         "eager": {"enforce_eager": True},
         "chunked-prefill": {"max_num_batched_tokens": 16},
         "preempted": {"num_kv_blocks": 10, "max_model_len": 160},
         "synchronous": {"async_scheduling": False},
+        "ngram": {"speculative_config": json.dumps(ngram)},
+        "draft-model": {"speculative_config": json.dumps(draft)},
     }[mode]
     llm = gpu_llm(path, **kwargs)
     assert llm.config.device.attention_backend == "flashinfer"
     assert bool(llm.config.device.cuda_graph_sizes) == (mode != "eager")
-    assert llm.core.async_scheduling == (mode != "synchronous")
+    assert llm.core.async_scheduling == (
+        mode in ("cuda-graphs", "eager", "chunked-prefill", "preempted")
+    )
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert_greedy_matches(ours, reference, margins)
