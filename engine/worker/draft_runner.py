@@ -29,6 +29,7 @@ from engine.models.arch import ModelArch
 from engine.models.llama import DecoderModel
 from engine.spec_decode import can_draft
 from engine.worker.input_batch import StepBatch
+from engine.worker.sampler import argmax_rows
 
 
 class DraftModelRunner:
@@ -112,8 +113,7 @@ class DraftModelRunner:
         if not len(logit_rows):
             return []
         rows = hidden[torch.from_numpy(logit_rows).to(self.device)]
-        logits = self.model.compute_logits(rows)[:, : self.vocab_size]
-        return logits.argmax(dim=-1).tolist()
+        return argmax_rows(self.model.compute_logits(rows)[:, : self.vocab_size]).tolist()
 
 
 def paged_kv_cache(
