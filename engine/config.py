@@ -317,6 +317,19 @@ class SchedulerConfig:
             self.max_model_len,
         )
 
+    def describe_prefill_limits(self) -> str:
+        """The partial-prefill limits for the startup line, "" where they are vLLM's defaults
+        (the budget alone chunks prompts)."""
+        parts = []
+        if self.long_prefill_token_threshold:
+            parts.append(f"prefill chunks of at most {self.long_prefill_token_threshold} tokens")
+        if self.max_num_partial_prefills > 1:
+            parts.append(
+                f"{self.max_num_partial_prefills} partial prefills at once "
+                f"({self.max_long_partial_prefills} long)"
+            )
+        return "".join(f", {part}" for part in parts)
+
 
 def check_partial_prefills(
     max_partial: int, max_long: int, threshold: int | None, max_model_len: int | None = None
@@ -381,6 +394,7 @@ class EngineConfig:
         return (
             f"{self.model.name}{task}: {facts}, {c.num_blocks} KV blocks of {c.block_size} tokens, "
             f"max_model_len {s.max_model_len}, step budget {s.max_num_batched_tokens} tokens"
+            + s.describe_prefill_limits()
             + ("" if self.speculative is None else f", speculative {self.speculative.describe()}")
             + ("" if self.lora is None else f", LoRA: {self.lora.max_loras} at once")
             + (", async scheduling" if s.async_scheduling else "")

@@ -214,3 +214,13 @@ def test_config_refuses_a_threshold_above_max_model_len() -> None:
     with pytest.raises(ValueError, match=r"\(65\) cannot be greater than max_model_len \(64\)"):
         make_scheduler(budget=16, threshold=65)
     assert make_scheduler(budget=16, threshold=64).config.long_prefill_token_threshold == 64
+
+
+def test_the_startup_line_names_limits_set() -> None:
+    assert SchedulerConfig().describe_prefill_limits() == ""
+    limits = SchedulerConfig(
+        long_prefill_token_threshold=64, max_num_partial_prefills=3, max_long_partial_prefills=2
+    )
+    assert limits.describe_prefill_limits() == (
+        ", prefill chunks of at most 64 tokens, 3 partial prefills at once (2 long)"
+    )
