@@ -60,7 +60,25 @@ class EngineArgs:
     block_size: int = _arg(16, "tokens per KV cache block")
     max_num_seqs: int = _arg(64, "most requests in one step")
     max_num_batched_tokens: int | None = _arg(
-        None, "token budget of one step (default: 512 on CPU, 8192 on GPU)"
+        None, "token budget of one step (default: 256 on CPU, 8192 on GPU)"
+    )
+    max_num_partial_prefills: int = _arg(
+        1,
+        "requests whose prompt is part-way through chunked prefill at once, as vLLM's flag: "
+        "a prefill chunk that leaves its prompt unfinished needs one of these slots, one that "
+        "finishes it does not (so short prompts are never held back by it)",
+    )
+    max_long_partial_prefills: int = _arg(
+        1,
+        "of --max-num-partial-prefills, those with more than --long-prefill-token-threshold "
+        "tokens still to prefill; a long prompt that finds them taken waits, and shorter "
+        "prompts behind it go first (vLLM's flag); at most --max-num-partial-prefills",
+    )
+    long_prefill_token_threshold: int | None = _arg(
+        None,
+        "most prompt tokens one request prefills in a step, and the length above which a "
+        "prefill counts as long (vLLM's flag); 0 caps nothing but the step budget (default: "
+        "0, or 4 percent of --max-model-len with --max-num-partial-prefills above 1, as vLLM)",
     )
     max_model_len: int | None = _arg(None, "longest prompt plus output (default: the model's)")
     num_kv_blocks: int | None = _arg(None, "KV cache blocks (overrides the memory budgets)")
@@ -284,6 +302,10 @@ class SchedulerConfig:
     # KV slots held beyond a sampling request's scheduled tokens, for a draft model to
     # write its drafts' keys and values (speculative decoding with draft_model); else 0.
     num_lookahead_tokens: int = 0
+    # Chunked prefill's limits, as vLLM's flags of the same names (see PrefillSlots).
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
+    long_prefill_token_threshold: int = 0  # 0: no cap but the budget, and no prefill is long
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -294,6 +316,50 @@ class SchedulerConfig:
             )
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        check_partial_prefills(
+            self.max_num_partial_prefills,
+            self.max_long_partial_prefills,
+            self.long_prefill_token_threshold,
+            self.max_model_len,
+        )
+
+    def describe_prefill_limits(self) -> str:
+        """The partial-prefill limits for the startup line, "" where they are vLLM's defaults
+        (the budget alone chunks prompts)."""
+        parts = []
+        if self.long_prefill_token_threshold:
+            parts.append(f"prefill chunks of at most {self.long_prefill_token_threshold} tokens")
+        if self.max_num_partial_prefills > 1:
+            parts.append(
+                f"{self.max_num_partial_prefills} partial prefills at once "
+                f"({self.max_long_partial_prefills} long)"
+            )
+        return "".join(f", {part}" for part in parts)
+
+
+def check_partial_prefills(
+    max_partial: int, max_long: int, threshold: int | None, max_model_len: int | None = None
+) -> None:
+    """Raises ValueError, naming the flag, for limits that chunked prefill cannot honour;
+    `max_model_len` None (not known yet) skips the check against it."""
+    if max_partial < 1:
+        raise ValueError(f"--max-num-partial-prefills must be at least 1, got {max_partial}")
+    if not 1 <= max_long <= max_partial:
+        raise ValueError(
+            f"--max-long-partial-prefills must be between 1 and --max-num-partial-prefills "
+            f"({max_partial}), got {max_long}"
+        )
+    if threshold is None:
+        return
+    if threshold < 0:
+        raise ValueError(
+            f"--long-prefill-token-threshold must be 0 (off) or positive, got {threshold}"
+        )
+    if max_model_len is not None and threshold > max_model_len:
+        raise ValueError(
+            f"--long-prefill-token-threshold ({threshold}) cannot be greater than "
+            f"max_model_len ({max_model_len})"
+        )
 
 
 @dataclass(frozen=True)
@@ -334,6 +400,7 @@ class EngineConfig:
         return (
             f"{self.model.name}{task}: {facts}, {c.num_blocks} KV blocks of {c.block_size} tokens, "
             f"max_model_len {s.max_model_len}, step budget {s.max_num_batched_tokens} tokens"
+            + s.describe_prefill_limits()
             + ("" if self.speculative is None else f", speculative {self.speculative.describe()}")
             + ("" if self.lora is None else f", LoRA: {self.lora.max_loras} at once")
             + (", async scheduling" if s.async_scheduling else "")
@@ -420,8 +487,24 @@ def resolve_scheduler_config(
     spec = parse_speculative_config(args.speculative_config)
     lookahead = spec.num_speculative_tokens if spec and spec.method == "draft_model" else 0
     return SchedulerConfig(
-        args.max_num_seqs, budget, model.max_model_len, overlap, max_loras, lookahead
+        args.max_num_seqs,
+        budget,
+        model.max_model_len,
+        overlap,
+        max_loras,
+        lookahead,
+        args.max_num_partial_prefills,
+        args.max_long_partial_prefills,
+        _long_prefill_token_threshold(args, model.max_model_len),
     )
+
+
+def _long_prefill_token_threshold(args: EngineArgs, max_model_len: int) -> int:
+    """--long-prefill-token-threshold, or vLLM's default: 4% of max_model_len where several
+    partial prefills may run at once (each then needs a cap below the budget), else 0."""
+    if args.long_prefill_token_threshold is not None:
+        return args.long_prefill_token_threshold
+    return int(max_model_len * 0.04) if args.max_num_partial_prefills > 1 else 0
 
 
 def resolve_lora_config(args: EngineArgs) -> LoRAConfig | None:
@@ -444,7 +527,14 @@ def resolve_lora_config(args: EngineArgs) -> LoRAConfig | None:
 
 
 def check_scheduling_options(args: EngineArgs) -> None:
-    """Raises ValueError where --async-scheduling or --speculative-config cannot run."""
+    """Raises ValueError where chunked prefill's limits, --async-scheduling or
+    --speculative-config cannot run."""
+    check_partial_prefills(
+        args.max_num_partial_prefills,
+        args.max_long_partial_prefills,
+        args.long_prefill_token_threshold,
+        args.max_model_len,
+    )
     if args.async_scheduling and args.tensor_parallel_size > 1:
         raise ValueError(
             "--async-scheduling does not run with --tensor-parallel-size > 1: the workers "

@@ -7,7 +7,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from engine.config import SchedulerConfig
-from engine.kv_cache import KVCacheManager
+from engine.kv_cache import KVCacheBlock, KVCacheManager
 from engine.outputs import Logprobs
 from engine.request import Request, RequestStatus, check_prompt_length
 from engine.scheduler.output import (
@@ -18,6 +18,7 @@ from engine.scheduler.output import (
     SchedulerStats,
     StepResult,
 )
+from engine.scheduler.prefill_slots import PrefillSlots
 
 # The states whose requests take a step's output: preempted ones too, since with async
 # scheduling a request may be preempted while a step that samples for it is still running.
@@ -93,46 +94,93 @@ class Scheduler:
     # ---- the step ------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Picks this step's requests, allocating blocks and preempting if needed."""
+        """Picks this step's requests, allocating blocks and preempting if needed: running
+        decodes first, then running prefills, then admissions from `waiting`, each prefill
+        within the partial-prefill limits (PrefillSlots)."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
-        preempted = False
+        slots = PrefillSlots(self.config)
+        budget, preempted = self._schedule_running(budget, scheduled, slots)
+        if not preempted:
+            self._schedule_waiting(budget, scheduled, slots)
+        finished, self._finished_ids = self._finished_ids, set()
+        return SchedulerOutput(scheduled, finished)
 
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+    def _schedule_running(
+        self, budget: int, scheduled: list[ScheduledRequest], slots: PrefillSlots
+    ) -> tuple[int, bool]:
+        """Schedules the running requests, decodes before prefills, so that a prefill chunk
+        never takes the budget a decode needs. Returns the budget left and whether a request
+        was preempted."""
+        preempted = False
+        done: set[str] = set()  # the ids scheduled so far this step
+        for request in self._decodes_first():
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
             if self._ends_with_placeholders(request):
-                i += 1
                 continue
             ahead = request.num_tokens_with_placeholders + len(request.spec_token_ids)
-            num_new = min(ahead - request.num_computed_tokens, budget)
-            lookahead = self._lookahead(request, request.num_computed_tokens + num_new)
-            new_blocks = self.kv_cache.allocate_slots(request, num_new, None, lookahead)
-            while new_blocks is None:
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted = True
-                if victim is request:
-                    break
-                new_blocks = self.kv_cache.allocate_slots(request, num_new, None, lookahead)
+            remaining = ahead - request.num_computed_tokens
+            prefilling = _is_prefilling(request)
+            num_new = slots.chunk(remaining, budget) if prefilling else min(remaining, budget)
+            if num_new == 0:
+                continue
+            new_blocks, preempted_any = self._allocate_or_preempt(request, num_new, done)
+            preempted |= preempted_any
             if new_blocks is None:
-                break
+                continue
+            if prefilling:
+                slots.take(remaining, num_new)
             block_ids = [b.block_id for b in new_blocks]
             scheduled.append(self._scheduled(request, num_new, block_ids))
+            done.add(request.request_id)
             budget -= num_new
-            i += 1
+        return budget, preempted
 
-        # Requests whose grammar is still compiling step aside; they keep their place. So do
-        # those whose LoRA adapter would exceed --max-loras running at once.
+    def _decodes_first(self) -> list[Request]:
+        """`running` with its decodes first, then its prefills, each in running order."""
+        prefills = [r for r in self.running if _is_prefilling(r)]
+        if not prefills:
+            return list(self.running)
+        return [r for r in self.running if not _is_prefilling(r)] + prefills
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, done: set[str]
+    ) -> tuple[list[KVCacheBlock] | None, bool]:
+        """Allocates `num_new` slots for a running request (and a draft model's lookahead
+        slots), preempting the last running request not scheduled this step (`done`) until
+        they fit or the victim is `request` itself. Returns the new blocks (None when `request` was preempted) and whether any
+        request was preempted."""
+        lookahead = self._lookahead(request, request.num_computed_tokens + num_new)
+        new_blocks = self.kv_cache.allocate_slots(request, num_new, None, lookahead)
+        preempted = False
+        while new_blocks is None:
+            index = next(
+                i
+                for i in range(len(self.running) - 1, -1, -1)
+                if self.running[i].request_id not in done
+            )
+            victim = self.running.pop(index)
+            self._preempt(victim)
+            preempted = True
+            if victim is request:
+                return None, True
+            new_blocks = self.kv_cache.allocate_slots(request, num_new, None, lookahead)
+        return new_blocks, preempted
+
+    def _schedule_waiting(
+        self, budget: int, scheduled: list[ScheduledRequest], slots: PrefillSlots
+    ) -> None:
+        """Admits from `waiting`, first come first served, while budget and seats last.
+        Requests whose grammar is still compiling step aside and keep their place; so do
+        those whose LoRA adapter would exceed --max-loras running at once, and those whose
+        prefill would be partial when the partial-prefill slots are taken."""
         skipped: deque[Request] = deque()
         max_loras = self.config.max_loras
         loras = self._running_loras() if max_loras else set()
-        while (
-            not preempted
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             head = self.waiting[0]
             if head.status is RequestStatus.WAITING_FOR_GRAMMAR and not self._grammar_ready(head):
                 self.waiting.popleft()
@@ -143,17 +191,21 @@ class Scheduler:
             if lora is not None and lora.lora_int_id not in loras and len(loras) >= max_loras:
                 skipped.append(self.waiting.popleft())
                 continue
-            entry = self._admit(self.waiting[0], budget)
+            hits, num_hit = self.kv_cache.get_computed_blocks(head)
+            remaining = head.num_tokens - num_hit
+            num_new = slots.chunk(remaining, budget)
+            if num_new == 0:
+                skipped.append(self.waiting.popleft())
+                continue
+            entry = self._admit(head, hits, num_hit, num_new)
             if entry is None:
                 break
+            slots.take(remaining, num_new)
             if lora is not None:
                 loras.add(lora.lora_int_id)
             scheduled.append(entry)
-            budget -= entry.num_new_tokens
+            budget -= num_new
         self.waiting.extendleft(reversed(skipped))
-
-        finished, self._finished_ids = self._finished_ids, set()
-        return SchedulerOutput(scheduled, finished)
 
     def _lookahead(self, request: Request, end: int) -> int:
         """The KV slots a draft model needs after `request`'s scheduled tokens, which end
@@ -212,11 +264,11 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         return True
 
-    def _admit(self, request: Request, budget: int) -> ScheduledRequest | None:
-        """Moves the head of `waiting` to `running` if its tokens fit."""
-        hits, num_hit = self.kv_cache.get_computed_blocks(request)
-        # Capping at the budget is chunked prefill.
-        num_new = min(request.num_tokens - num_hit, budget)
+    def _admit(
+        self, request: Request, hits: list[KVCacheBlock], num_hit: int, num_new: int
+    ) -> ScheduledRequest | None:
+        """Moves the head of `waiting` to `running` if `num_new` tokens after its prefix-cache
+        hit (`hits`, covering `num_hit` tokens) fit."""
         lookahead = self._lookahead(request, num_hit + num_new)
         if self.kv_cache.allocate_slots(request, num_new, hits, lookahead) is None:
             return None
@@ -412,6 +464,12 @@ class Scheduler:
         self._last_queries, self._last_hits = counters.queries, counters.hits
         self._num_preemptions = 0
         return stats
+
+
+def _is_prefilling(request: Request) -> bool:
+    """Whether a running request has more than one token to compute (the rest of its prompt,
+    or its whole history after a preemption), rather than decoding its next token."""
+    return request.num_tokens_with_placeholders - request.num_computed_tokens > 1
 
 
 def _lora_names(requests: Iterable[Request]) -> tuple[str, ...]:

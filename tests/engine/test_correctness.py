@@ -1,9 +1,9 @@
 """Greedy output equals transformers token for token, in float32, in every engine mode.
 
 (a) each request alone, (b) 8 requests of different lengths together, (c) chunked
-prefill, (d) shared prefixes served from the prefix cache, also across the choices of an
-n > 1 request, (e) preemption. The block
-pool invariants are checked after every step (check_invariants=True).
+prefill, also within the partial-prefill limits, (d) shared prefixes served from the prefix
+cache, also across the choices of an n > 1 request, (e) preemption. The block pool
+invariants are checked after every step (check_invariants=True).
 """
 
 from __future__ import annotations
@@ -80,6 +80,24 @@ def test_eight_requests_batched(tiny) -> None:
 def test_chunked_prefill(tiny) -> None:
     path, prompts, _, reference, _ = tiny
     assert engine_tokens(tiny_llm(path, max_num_batched_tokens=16), prompts) == reference
+
+
+@pytest.mark.parametrize(
+    ("limits", "threshold"),
+    [
+        (dict(long_prefill_token_threshold=8), 8),
+        (dict(long_prefill_token_threshold=12, max_num_partial_prefills=3), 12),
+        (dict(max_num_partial_prefills=2, max_long_partial_prefills=2), 10),
+    ],
+    ids=["threshold-8", "threshold-12-three-partial", "two-long-partial"],
+)
+def test_partial_prefill_limits(tiny, limits: dict[str, int], threshold: int) -> None:
+    """Chunks capped by --long-prefill-token-threshold, several prompts part-way at once
+    (with two and no threshold given, it is 4% of max_model_len: 10 tokens here)."""
+    path, prompts, _, reference, _ = tiny
+    llm = tiny_llm(path, max_num_batched_tokens=32, **limits)
+    assert llm.core.scheduler.config.long_prefill_token_threshold == threshold
+    assert engine_tokens(llm, prompts) == reference
 
 
 def test_prefix_cache_hits(tiny) -> None:

@@ -1,0 +1,60 @@
+"""Chunked prefill's per-step limits, as vLLM's flags of the same names (pure Python).
+
+- `long_prefill_token_threshold` (T, 0 = off) caps each request's prefill chunk at T
+  tokens, as vLLM V1 does, and makes a prefill with more than T tokens still to compute
+  *long*, as vLLM V0 counted them.
+- A prefill is *partial* after a step when its chunk stops short of its prompt's end, cut
+  by T or by the budget (a running prefill left out of a step is left out for want of
+  budget, when nothing else is admitted either). At most
+  `max_num_partial_prefills` (N) requests are partial at once, and at most
+  `max_long_partial_prefills` (M) of them long. A chunk that finishes its prompt needs no
+  slot, so short prompts are never held back by these limits.
+
+With T = 64, N = 1 and a budget of 256, a step beside 16 decodes:
+
+    decodes           16 x 1 token    always first
+    A (1500 left)     64 tokens       partial and long: takes the one slot
+    B (1800 left)     waits           would be partial: no slot left; keeps its place
+    C (40 left)       40 tokens       finishes its prompt: needs no slot
+"""
+
+from __future__ import annotations
+
+from engine.config import SchedulerConfig
+
+
+class PrefillSlots:
+    """One step's partial-prefill slots. `chunk` decides a prefill's tokens; `take` books them.
+    A new instance per step."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.threshold = config.long_prefill_token_threshold
+        self.max_partial = config.max_num_partial_prefills
+        self.max_long = config.max_long_partial_prefills
+        self.num_partial = 0
+        self.num_long = 0
+
+    def chunk(self, remaining: int, budget: int) -> int:
+        """The tokens a prefill with `remaining` tokens to compute may take this step, at
+        most `budget`; 0 when it would be left partial and the slots it needs are taken."""
+        num_new = min(remaining, budget)
+        if self.threshold:
+            num_new = min(num_new, self.threshold)
+        if num_new == remaining:
+            return num_new
+        if self.num_partial >= self.max_partial:
+            return 0
+        if self._is_long(remaining) and self.num_long >= self.max_long:
+            return 0
+        return num_new
+
+    def take(self, remaining: int, num_new: int) -> None:
+        """Books the slots of a prefill given `num_new` of its `remaining` tokens."""
+        if num_new >= remaining:
+            return
+        self.num_partial += 1
+        if self._is_long(remaining):
+            self.num_long += 1
+
+    def _is_long(self, remaining: int) -> bool:
+        return 0 < self.threshold < remaining
