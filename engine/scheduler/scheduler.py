@@ -151,8 +151,8 @@ class Scheduler:
     ) -> tuple[list[KVCacheBlock] | None, bool]:
         """Allocates `num_new` slots for a running request (and a draft model's lookahead
         slots), preempting the last running request not scheduled this step (`done`) until
-        they fit or the victim is `request` itself. Returns the new blocks (None when `request` was preempted) and whether any
-        request was preempted."""
+        they fit or the victim is `request` itself. Returns the new blocks (None when
+        `request` was preempted) and whether any request was preempted."""
         lookahead = self._lookahead(request, request.num_computed_tokens + num_new)
         new_blocks = self.kv_cache.allocate_slots(request, num_new, None, lookahead)
         preempted = False
