@@ -19,13 +19,13 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import isa_peak
+from hardware_limits import best_of
 
 from engine.config import QuantConfig
 from engine.models.default_model import prepare_default_model
@@ -47,16 +47,6 @@ def peak_gflops(dtype: torch.dtype, threads: int) -> tuple[str, float]:
         library = isa_peak.build([name], Path(tmp))
         fn = getattr(library, f"run_{name}")
         return name, isa_peak.measure(fn, isa_peak.KERNELS[name][5], threads, 0.5)
-
-
-def best_seconds(fn, reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def main() -> None:
@@ -88,12 +78,12 @@ def main() -> None:
                 if shape is None:
                     k, n = model.arch.hidden_size, model.arch.vocab_size
                     x = torch.randn(rows, k).to(dtype)
-                    seconds = best_seconds(lambda x=x: model.compute_logits(x), args.reps)
+                    seconds = best_of(lambda x=x: model.compute_logits(x), args.reps)
                 else:
                     k, n = shape
                     x = torch.randn(rows, k).to(dtype)
                     layer = layers[shape]
-                    seconds = best_seconds(lambda x=x, layer=layer: layer(x), args.reps)
+                    seconds = best_of(lambda x=x, layer=layer: layer(x), args.reps)
                 gflops = 2 * rows * k * n / seconds / 1e9
                 share = gflops / peak
                 print(f"{rows:5d} rows  {label:24s} {gflops:7.1f} GFLOP/s  {share:5.0%} of peak")
