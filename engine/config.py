@@ -31,6 +31,15 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu-native", "flashinfer")
 # beside it: in a sweep of 128/256/512 (docs/benchmarks.md), 256 halved the ITL p99 at 16
 # and 64 concurrent streams against 512 for about 3% of output tok/s; 128 cost 12%.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 256, "cuda": 8192}
+# The most prompt tokens one request prefills in a step when --long-prefill-token-threshold
+# is not given. On the CPU, again, a step's prefill tokens set the ITL beside them (16
+# decodes took 50 ms a step on a 2-core AVX2 machine, and each prefill token 2 ms more):
+# in mixed_load.py's sweep (docs/benchmarks.md), 64 took the ITL p99 to 0.41x of chunks
+# of the whole budget (256) at 16 streams of 200-token prompts and to 0.43x beside
+# 1-2k-token prompts, for 0-3% of output tok/s; 32 cost 5-12% and no lower p99 at 16.
+# On GPU, and for embeddings (no decodes), vLLM's: none, or 4% of max_model_len with
+# concurrent partial prefills.
+DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD = {"cpu": 64, "cuda": 0}
 
 
 def _arg(default: Any, help: str, **extra: Any) -> Any:
@@ -78,7 +87,9 @@ class EngineArgs:
         None,
         "most prompt tokens one request prefills in a step, and the length above which a "
         "prefill counts as long (vLLM's flag); 0 caps nothing but the step budget (default: "
-        "0, or 4 percent of --max-model-len with --max-num-partial-prefills above 1, as vLLM)",
+        "64 on CPU, where a step's prefill tokens set the ITL of the streams decoding beside "
+        "them, but for --task embed; elsewhere vLLM's: 0, or 4 percent of --max-model-len "
+        "with --max-num-partial-prefills above 1)",
     )
     max_model_len: int | None = _arg(None, "longest prompt plus output (default: the model's)")
     num_kv_blocks: int | None = _arg(None, "KV cache blocks (overrides the memory budgets)")
@@ -486,15 +497,22 @@ def resolve_scheduler_config(
         max_loras,
         args.max_num_partial_prefills,
         args.max_long_partial_prefills,
-        _long_prefill_token_threshold(args, model.max_model_len),
+        resolve_long_prefill_token_threshold(args, model.max_model_len, device_type, model.task),
     )
 
 
-def _long_prefill_token_threshold(args: EngineArgs, max_model_len: int) -> int:
-    """--long-prefill-token-threshold, or vLLM's default: 4% of max_model_len where several
-    partial prefills may run at once (each then needs a cap below the budget), else 0."""
+def resolve_long_prefill_token_threshold(
+    args: EngineArgs, max_model_len: int, device_type: str, task: str = "generate"
+) -> int:
+    """--long-prefill-token-threshold, else this device's default (at most max_model_len)
+    for an engine that generates (an embedding engine has no decodes to keep waiting less);
+    where that is none, vLLM's: 4% of max_model_len where several partial prefills may run
+    at once (each then needs a cap below the budget), else 0."""
     if args.long_prefill_token_threshold is not None:
         return args.long_prefill_token_threshold
+    default = DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD[device_type] if task == "generate" else 0
+    if default:
+        return min(default, max_model_len)
     return int(max_model_len * 0.04) if args.max_num_partial_prefills > 1 else 0
 
 

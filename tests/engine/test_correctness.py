@@ -87,15 +87,16 @@ def test_chunked_prefill(tiny) -> None:
     [
         (dict(long_prefill_token_threshold=8), 8),
         (dict(long_prefill_token_threshold=12, max_num_partial_prefills=3), 12),
-        (dict(max_num_partial_prefills=2, max_long_partial_prefills=2), 10),
+        (dict(max_num_partial_prefills=2, max_long_partial_prefills=2), 64),
+        (dict(long_prefill_token_threshold=0), 0),
     ],
-    ids=["threshold-8", "threshold-12-three-partial", "two-long-partial"],
+    ids=["threshold-8", "threshold-12-three-partial", "two-long-partial", "budget-only"],
 )
 def test_partial_prefill_limits(tiny, limits: dict[str, int], threshold: int) -> None:
-    """Chunks capped by --long-prefill-token-threshold, several prompts part-way at once
-    (with two and no threshold given, it is 4% of max_model_len: 10 tokens here)."""
+    """Chunks capped by --long-prefill-token-threshold (64 on CPU by default), several
+    prompts part-way at once, or chunks of the whole budget (threshold 0)."""
     path, prompts, _, reference, _ = tiny
-    llm = tiny_llm(path, max_num_batched_tokens=32, **limits)
+    llm = tiny_llm(path, max_num_batched_tokens=96, **limits)
     assert llm.core.scheduler.config.long_prefill_token_threshold == threshold
     assert engine_tokens(llm, prompts) == reference
 

@@ -8,7 +8,12 @@ import random
 
 import pytest
 
-from engine.config import EngineArgs, SchedulerConfig, check_scheduling_options
+from engine.config import (
+    EngineArgs,
+    SchedulerConfig,
+    check_scheduling_options,
+    resolve_long_prefill_token_threshold,
+)
 from engine.kv_cache import KVCacheManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -208,6 +213,27 @@ def test_randomized_soak_within_limits(
 def test_flag_validation(values: dict[str, int], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         check_scheduling_options(EngineArgs(**values))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("values", "max_model_len", "device", "task", "threshold"),
+    [
+        ({}, 8192, "cpu", "generate", 64),
+        ({}, 32, "cpu", "generate", 32),
+        ({"long_prefill_token_threshold": 0}, 8192, "cpu", "generate", 0),
+        ({"max_num_partial_prefills": 2}, 8192, "cpu", "generate", 64),
+        ({}, 8192, "cpu", "embed", 0),
+        ({}, 8192, "cuda", "generate", 0),
+        ({"max_num_partial_prefills": 2}, 8192, "cuda", "generate", 327),  # vLLM's 4%
+        ({"long_prefill_token_threshold": 100}, 8192, "cuda", "generate", 100),
+    ],
+)
+def test_default_threshold(
+    values: dict[str, int], max_model_len: int, device: str, task: str, threshold: int
+) -> None:
+    args = EngineArgs(**values)  # type: ignore[arg-type]
+    resolved = resolve_long_prefill_token_threshold(args, max_model_len, device, task)
+    assert resolved == threshold
 
 
 def test_config_refuses_a_threshold_above_max_model_len() -> None:
