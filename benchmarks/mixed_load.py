@@ -57,6 +57,7 @@ SETTINGS = {
     "B256-T128": "--max-num-batched-tokens 256 --long-prefill-token-threshold 128",
     "B256-T64": "--max-num-batched-tokens 256 --long-prefill-token-threshold 64",
     "B256-T32": "--max-num-batched-tokens 256 --long-prefill-token-threshold 32",
+    "B256-T16": "--max-num-batched-tokens 256 --long-prefill-token-threshold 16",
     "B512-T64": "--max-num-batched-tokens 512 --long-prefill-token-threshold 64",
     "B256-T64-P2": "--max-num-batched-tokens 256 --long-prefill-token-threshold 64 "
     "--max-num-partial-prefills 2 --max-long-partial-prefills 2",
@@ -216,8 +217,13 @@ def main() -> None:
             args.out.with_suffix(".json").write_text(json.dumps(results, indent=2))
             args.out.with_suffix(".requests.json").write_text(json.dumps(requests))
     print_ratios(results)
-    title = f"{args.concurrency} streams, every {args.long_every}th prompt long (0: none)"
-    plot_compare.plot_tradeoff(results, args.out.with_suffix(".png"), title)
+    if args.long_every:
+        title = f"{args.concurrency} streams, every {args.long_every}th prompt long"
+    else:
+        title = f"{args.concurrency} streams, {args.short_len[0]}-{args.short_len[1]}-token prompts"
+    # The chart's lines join the runs in this order: from the lowest ITL p99 up.
+    by_p99 = sorted(results.items(), key=lambda item: item[1]["round 1"]["itl_p99_s"])
+    plot_compare.plot_tradeoff(dict(by_p99), args.out.with_suffix(".png"), title)
 
 
 if __name__ == "__main__":
