@@ -1,4 +1,5 @@
-"""Chunked prefill's per-step limits, as vLLM's flags of the same names (pure Python).
+"""Chunked prefill's per-step limits, as vLLM's flags of the same names, and which running
+requests are prefills rather than decodes (pure Python).
 
 - `long_prefill_token_threshold` (T, 0 = off) caps each request's prefill chunk at T
   tokens, as vLLM V1 does, and makes a prefill with more than T tokens still to compute
@@ -21,6 +22,7 @@ With T = 64, N = 1 and a budget of 256, a step beside 16 decodes:
 from __future__ import annotations
 
 from engine.config import SchedulerConfig
+from engine.request import Request
 
 
 class PrefillSlots:
@@ -58,3 +60,18 @@ class PrefillSlots:
 
     def _is_long(self, remaining: int) -> bool:
         return 0 < self.threshold < remaining
+
+
+def is_prefilling(request: Request) -> bool:
+    """Whether a running request has more than one token to compute (the rest of its prompt,
+    or its whole history after a preemption), rather than decoding its next token."""
+    return request.num_tokens_with_placeholders - request.num_computed_tokens > 1
+
+
+def decodes_first(running: list[Request]) -> list[Request]:
+    """`running` with its decodes first, then its prefills, each in running order (a new
+    list: the caller may preempt from `running` while it walks this one)."""
+    prefills = [r for r in running if is_prefilling(r)]
+    if not prefills:
+        return list(running)
+    return [r for r in running if not is_prefilling(r)] + prefills
