@@ -22,9 +22,11 @@ Prompts are random token ids sent as text, the same text to every server. With
 decodes whenever a stream ends.
 
 Prints per run output tok/s, ITL p50/p99, TTFT p50/p99 (TTFT of the short prompts
-alone too) and the load average before it; then each setting's figures against
-llama-server's. Writes <out>.json and a throughput-against-ITL-p99 chart, <out>.png
-(plot_compare.py --tradeoff), one line per round. Not a test: nothing is asserted.
+alone too) and the CPU that other processes took meanwhile, in cores (the machine's busy
+time from /proc/stat, less the server's and this client's); then each setting's figures against
+llama-server's. Writes the figures to <out>.json, each request's TTFT and ITLs to
+<out>.requests.json, and a throughput-against-ITL-p99 chart, <out>.png (plot_compare.py
+--tradeoff), one line per round. Not a test: nothing is asserted.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import plot_compare
 import serve_bench
 from compare_servers import END_TOKENS, server
+from engine_process import cpu_seconds, descendants
 
 # The sweep: name -> `pagedserve serve` flags. Each point spells out the budget and the
 # threshold, so that its figures keep their meaning whatever the defaults become.
@@ -54,6 +57,7 @@ SETTINGS = {
     "B256-T128": "--max-num-batched-tokens 256 --long-prefill-token-threshold 128",
     "B256-T64": "--max-num-batched-tokens 256 --long-prefill-token-threshold 64",
     "B256-T32": "--max-num-batched-tokens 256 --long-prefill-token-threshold 32",
+    "B256-T16": "--max-num-batched-tokens 256 --long-prefill-token-threshold 16",
     "B512-T64": "--max-num-batched-tokens 512 --long-prefill-token-threshold 64",
     "B256-T64-P2": "--max-num-batched-tokens 256 --long-prefill-token-threshold 64 "
     "--max-num-partial-prefills 2 --max-long-partial-prefills 2",
@@ -120,15 +124,31 @@ def server_command(name: str, args: argparse.Namespace, gguf: Path) -> list[str]
     return [*cmd, "--no-log-requests", *SETTINGS[name].split()]
 
 
-def run_one(name: str, args: argparse.Namespace, gguf: Path, prompts: list) -> dict:
+def busy_cpu_s() -> float:
+    """CPU seconds the whole machine has spent busy since boot (/proc/stat)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def run_one(
+    name: str, args: argparse.Namespace, gguf: Path, prompts: list
+) -> tuple[dict, list[dict]]:
+    """One server, one run of the workload: its figures, with the CPU others took meanwhile
+    (the machine's busy time less the server's and this process's) in cores, and each
+    request's TTFT and ITLs."""
     url = f"http://127.0.0.1:{args.port}"
     log = args.out.with_suffix(f".{name}.log")
-    with server(server_command(name, args, gguf), {}, url, log, timeout=900):
+    with server(server_command(name, args, gguf), {}, url, log, timeout=900) as proc:
+        pids = [os.getpid(), proc.pid, *descendants(proc.pid)]
         load = os.getloadavg()[0]
+        before = busy_cpu_s() - sum(map(cpu_seconds, pids))
         records, wall = asyncio.run(run_load(args, url, prompts))
+        others = busy_cpu_s() - sum(map(cpu_seconds, pids)) - before
     figures = summary(records, wall) | {"load_1m_before": load}
-    figures["load_1m_after"] = os.getloadavg()[0]
-    return figures
+    figures["others_cpu_cores"] = others / wall
+    raw = [{"long": is_long, "ttft": r.ttft, "itls": r.itls} for r, is_long in records]
+    return figures, raw
 
 
 def row(name: str, f: dict) -> str:
@@ -136,8 +156,8 @@ def row(name: str, f: dict) -> str:
     return (
         f"{name:14s} {f['output_tokens_per_s']:7.1f} tok/s  ITL p50 {ms['itl_p50_s']:6.1f} "
         f"p99 {ms['itl_p99_s']:6.1f} ms  TTFT p50 {ms['ttft_p50_s']:7.0f} p99 "
-        f"{ms['ttft_p99_s']:7.0f} ms (short p50 {ms['short_ttft_p50_s']:6.0f})  load "
-        f"{f['load_1m_before']:.2f}, errors {f['errors']}"
+        f"{ms['ttft_p99_s']:7.0f} ms (short p50 {ms['short_ttft_p50_s']:6.0f})  others' CPU "
+        f"{f['others_cpu_cores']:.2f} cores, errors {f['errors']}"
     )
 
 
@@ -187,15 +207,23 @@ def main() -> None:
     names = args.settings + ([LLAMA_SERVER] if args.llama_server else [])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, dict]] = {name: {} for name in names}
+    requests: dict[str, dict[str, list[dict]]] = {name: {} for name in names}
     for round_no in range(1, args.rounds + 1):
         for name in names:
-            figures = run_one(name, args, gguf, prompts)
+            figures, raw = run_one(name, args, gguf, prompts)
             results[name][f"round {round_no}"] = figures
+            requests[name][f"round {round_no}"] = raw
             print(f"round {round_no}  {row(name, figures)}", flush=True)
             args.out.with_suffix(".json").write_text(json.dumps(results, indent=2))
+            args.out.with_suffix(".requests.json").write_text(json.dumps(requests))
     print_ratios(results)
-    title = f"{args.concurrency} streams, every {args.long_every}th prompt long (0: none)"
-    plot_compare.plot_tradeoff(results, args.out.with_suffix(".png"), title)
+    if args.long_every:
+        title = f"{args.concurrency} streams, every {args.long_every}th prompt long"
+    else:
+        title = f"{args.concurrency} streams, {args.short_len[0]}-{args.short_len[1]}-token prompts"
+    # The chart's lines join the runs in this order: from the lowest ITL p99 up.
+    by_p99 = sorted(results.items(), key=lambda item: item[1]["round 1"]["itl_p99_s"])
+    plot_compare.plot_tradeoff(dict(by_p99), args.out.with_suffix(".png"), title)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,16 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu-native", "flashinfer")
 # beside it: in a sweep of 128/256/512 (docs/benchmarks.md), 256 halved the ITL p99 at 16
 # and 64 concurrent streams against 512 for about 3% of output tok/s; 128 cost 12%.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 256, "cuda": 8192}
+# The most prompt tokens one request prefills in a step that also decodes, when
+# --long-prefill-token-threshold is not given. On the CPU, again, a step's prefill tokens set
+# the ITL of the streams decoding beside them (16 decodes took 50 ms a step on a 2-core AVX2
+# machine, and each prefill token 2 ms more): in mixed_load.py's sweep (docs/benchmarks.md),
+# 64 took the ITL p99 to 0.41x of chunks of the whole budget (256) at 16 streams of
+# 200-token prompts and to 0.43x beside 1-2k-token prompts, for 0-3% of output tok/s; 32 cost
+# 5-12% and no lower p99 at 16. A step with no decodes keeps the whole budget, so a prompt
+# that arrives alone is not slowed by smaller steps. On GPU, and for embeddings (no decodes),
+# none: vLLM's default applies.
+DEFAULT_PREFILL_CHUNK_BESIDE_DECODES = {"cpu": 64, "cuda": 0}
 
 
 def _arg(default: Any, help: str, **extra: Any) -> Any:
@@ -77,8 +87,10 @@ class EngineArgs:
     long_prefill_token_threshold: int | None = _arg(
         None,
         "most prompt tokens one request prefills in a step, and the length above which a "
-        "prefill counts as long (vLLM's flag); 0 caps nothing but the step budget (default: "
-        "0, or 4 percent of --max-model-len with --max-num-partial-prefills above 1, as vLLM)",
+        "prefill counts as long (vLLM's flag); 0 caps nothing but the step budget. Default: "
+        "vLLM's, 0, or 4 percent of --max-model-len with --max-num-partial-prefills above 1; "
+        "and on CPU, but for --task embed, 64 in a step that also decodes, where a step's "
+        "prefill tokens set the ITL of the streams decoding beside them",
     )
     max_model_len: int | None = _arg(None, "longest prompt plus output (default: the model's)")
     num_kv_blocks: int | None = _arg(None, "KV cache blocks (overrides the memory budgets)")
@@ -306,6 +318,9 @@ class SchedulerConfig:
     max_num_partial_prefills: int = 1
     max_long_partial_prefills: int = 1
     long_prefill_token_threshold: int = 0  # 0: no cap but the budget, and no prefill is long
+    # The most prompt tokens one request prefills in a step that also decodes (0: none
+    # but the above); a default of the device, where the threshold was not given.
+    prefill_chunk_beside_decodes: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -329,6 +344,11 @@ class SchedulerConfig:
         parts = []
         if self.long_prefill_token_threshold:
             parts.append(f"prefill chunks of at most {self.long_prefill_token_threshold} tokens")
+        if self.prefill_chunk_beside_decodes:
+            parts.append(
+                f"prefill chunks of at most {self.prefill_chunk_beside_decodes} tokens "
+                "beside decodes"
+            )
         if self.max_num_partial_prefills > 1:
             parts.append(
                 f"{self.max_num_partial_prefills} partial prefills at once "
@@ -495,16 +515,23 @@ def resolve_scheduler_config(
         lookahead,
         args.max_num_partial_prefills,
         args.max_long_partial_prefills,
-        _long_prefill_token_threshold(args, model.max_model_len),
+        *resolve_prefill_chunks(args, model.max_model_len, device_type, model.task),
     )
 
 
-def _long_prefill_token_threshold(args: EngineArgs, max_model_len: int) -> int:
-    """--long-prefill-token-threshold, or vLLM's default: 4% of max_model_len where several
-    partial prefills may run at once (each then needs a cap below the budget), else 0."""
+def resolve_prefill_chunks(
+    args: EngineArgs, max_model_len: int, device_type: str, task: str = "generate"
+) -> tuple[int, int]:
+    """(long_prefill_token_threshold, prefill_chunk_beside_decodes): the flag as given and no
+    cap beside decodes; else vLLM's default threshold (4% of max_model_len where several
+    partial prefills may run at once, as each then needs a cap below the budget, else 0) and
+    this device's cap beside decodes for an engine that generates (an embedding engine has
+    no decodes to keep waiting less)."""
     if args.long_prefill_token_threshold is not None:
-        return args.long_prefill_token_threshold
-    return int(max_model_len * 0.04) if args.max_num_partial_prefills > 1 else 0
+        return args.long_prefill_token_threshold, 0
+    threshold = int(max_model_len * 0.04) if args.max_num_partial_prefills > 1 else 0
+    beside = DEFAULT_PREFILL_CHUNK_BESIDE_DECODES[device_type] if task == "generate" else 0
+    return threshold, beside
 
 
 def resolve_lora_config(args: EngineArgs) -> LoRAConfig | None:

@@ -1,10 +1,14 @@
-"""Chunked prefill's per-step limits, as vLLM's flags of the same names (pure Python).
+"""Chunked prefill's per-step limits, as vLLM's flags of the same names, and which running
+requests are prefills rather than decodes (pure Python).
 
 - `long_prefill_token_threshold` (T, 0 = off) caps each request's prefill chunk at T
   tokens, as vLLM V1 does, and makes a prefill with more than T tokens still to compute
   *long*, as vLLM V0 counted them.
+- `prefill_chunk_beside_decodes` (D, 0 = off; the CPU's default where T is not given) caps
+  each chunk at D tokens in a step that also decodes, so the streams decoding wait for few
+  prompt tokens, while a step of prompts alone keeps the whole budget.
 - A prefill is *partial* after a step when its chunk stops short of its prompt's end, cut
-  by T or by the budget (a running prefill left out of a step is left out for want of
+  by T, by D or by the budget (a running prefill left out of a step is left out for want of
   budget, when nothing else is admitted either). At most
   `max_num_partial_prefills` (N) requests are partial at once, and at most
   `max_long_partial_prefills` (M) of them long. A chunk that finishes its prompt needs no
@@ -21,11 +25,12 @@ With T = 64, N = 1 and a budget of 256, a step beside 16 decodes:
 from __future__ import annotations
 
 from engine.config import SchedulerConfig
+from engine.request import Request
 
 
 class PrefillSlots:
     """One step's partial-prefill slots. `chunk` decides a prefill's tokens; `take` books them.
-    A new instance per step."""
+    A new instance per step; the scheduler sets `decoding` once the step holds a decode."""
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.threshold = config.long_prefill_token_threshold
@@ -33,6 +38,8 @@ class PrefillSlots:
         self.max_long = config.max_long_partial_prefills
         self.num_partial = 0
         self.num_long = 0
+        self.beside_decodes = config.prefill_chunk_beside_decodes
+        self.decoding = False
 
     def chunk(self, remaining: int, budget: int) -> int:
         """The tokens a prefill with `remaining` tokens to compute may take this step, at
@@ -40,6 +47,8 @@ class PrefillSlots:
         num_new = min(remaining, budget)
         if self.threshold:
             num_new = min(num_new, self.threshold)
+        if self.decoding and self.beside_decodes:
+            num_new = min(num_new, self.beside_decodes)
         if num_new == remaining:
             return num_new
         if self.num_partial >= self.max_partial:
@@ -58,3 +67,18 @@ class PrefillSlots:
 
     def _is_long(self, remaining: int) -> bool:
         return 0 < self.threshold < remaining
+
+
+def is_prefilling(request: Request) -> bool:
+    """Whether a running request has more than one token to compute (the rest of its prompt,
+    or its whole history after a preemption), rather than decoding its next token."""
+    return request.num_tokens_with_placeholders - request.num_computed_tokens > 1
+
+
+def decodes_first(running: list[Request]) -> list[Request]:
+    """`running` with its decodes first, then its prefills, each in running order (a new
+    list: the caller may preempt from `running` while it walks this one)."""
+    prefills = [r for r in running if is_prefilling(r)]
+    if not prefills:
+        return list(running)
+    return [r for r in running if not is_prefilling(r)] + prefills

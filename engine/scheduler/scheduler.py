@@ -18,7 +18,7 @@ from engine.scheduler.output import (
     SchedulerStats,
     StepResult,
 )
-from engine.scheduler.prefill_slots import PrefillSlots
+from engine.scheduler.prefill_slots import PrefillSlots, decodes_first, is_prefilling
 
 # The states whose requests take a step's output: preempted ones too, since with async
 # scheduling a request may be preempted while a step that samples for it is still running.
@@ -114,7 +114,7 @@ class Scheduler:
         was preempted."""
         preempted = False
         done: set[str] = set()  # the ids scheduled so far this step
-        for request in self._decodes_first():
+        for request in decodes_first(self.running):
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:
@@ -123,7 +123,7 @@ class Scheduler:
                 continue
             ahead = request.num_tokens_with_placeholders + len(request.spec_token_ids)
             remaining = ahead - request.num_computed_tokens
-            prefilling = _is_prefilling(request)
+            prefilling = is_prefilling(request)
             num_new = slots.chunk(remaining, budget) if prefilling else min(remaining, budget)
             if num_new == 0:
                 continue
@@ -133,18 +133,13 @@ class Scheduler:
                 continue
             if prefilling:
                 slots.take(remaining, num_new)
+            else:
+                slots.decoding = True
             block_ids = [b.block_id for b in new_blocks]
             scheduled.append(self._scheduled(request, num_new, block_ids))
             done.add(request.request_id)
             budget -= num_new
         return budget, preempted
-
-    def _decodes_first(self) -> list[Request]:
-        """`running` with its decodes first, then its prefills, each in running order."""
-        prefills = [r for r in self.running if _is_prefilling(r)]
-        if not prefills:
-            return list(self.running)
-        return [r for r in self.running if not _is_prefilling(r)] + prefills
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, done: set[str]
@@ -464,12 +459,6 @@ class Scheduler:
         self._last_queries, self._last_hits = counters.queries, counters.hits
         self._num_preemptions = 0
         return stats
-
-
-def _is_prefilling(request: Request) -> bool:
-    """Whether a running request has more than one token to compute (the rest of its prompt,
-    or its whole history after a preemption), rather than decoding its next token."""
-    return request.num_tokens_with_placeholders - request.num_computed_tokens > 1
 
 
 def _lora_names(requests: Iterable[Request]) -> tuple[str, ...]:

@@ -83,20 +83,23 @@ def test_chunked_prefill(tiny) -> None:
 
 
 @pytest.mark.parametrize(
-    ("limits", "threshold"),
+    ("limits", "chunks"),
     [
-        (dict(long_prefill_token_threshold=8), 8),
-        (dict(long_prefill_token_threshold=12, max_num_partial_prefills=3), 12),
-        (dict(max_num_partial_prefills=2, max_long_partial_prefills=2), 10),
+        (dict(long_prefill_token_threshold=8), (8, 0)),
+        (dict(long_prefill_token_threshold=12, max_num_partial_prefills=3), (12, 0)),
+        (dict(max_num_partial_prefills=2, max_long_partial_prefills=2), (10, 64)),
+        (dict(max_num_batched_tokens=96), (0, 64)),
     ],
-    ids=["threshold-8", "threshold-12-three-partial", "two-long-partial"],
+    ids=["threshold-8", "threshold-12-three-partial", "two-long-partial", "beside-decodes"],
 )
-def test_partial_prefill_limits(tiny, limits: dict[str, int], threshold: int) -> None:
+def test_partial_prefill_limits(tiny, limits: dict[str, int], chunks: tuple[int, int]) -> None:
     """Chunks capped by --long-prefill-token-threshold, several prompts part-way at once
-    (with two and no threshold given, it is 4% of max_model_len: 10 tokens here)."""
+    (with two and no threshold given, it is 4% of max_model_len: 10 tokens here), and the
+    CPU's default cap of 64 tokens in a step that also decodes."""
     path, prompts, _, reference, _ = tiny
-    llm = tiny_llm(path, max_num_batched_tokens=32, **limits)
-    assert llm.core.scheduler.config.long_prefill_token_threshold == threshold
+    llm = tiny_llm(path, **{"max_num_batched_tokens": 32, **limits})
+    config = llm.core.scheduler.config
+    assert (config.long_prefill_token_threshold, config.prefill_chunk_beside_decodes) == chunks
     assert engine_tokens(llm, prompts) == reference
 
 

@@ -47,9 +47,12 @@ def long_case(tmp_path_factory: pytest.TempPathFactory):
 
 
 def long_llm(path: Path, isa: str, dtype: str, **kwargs: object) -> LLM:
+    # Chunks of the whole budget (no --long-prefill-token-threshold): several long prompts
+    # prefill at once, which the small cache's preemptions need.
     options: dict[str, object] = dict(
         dtype=dtype, device="cpu", cpu_isa=isa, block_size=16, num_kv_blocks=600,
-        max_model_len=4096, max_num_batched_tokens=512, attention_backend="cpu-native",
+        max_model_len=4096, max_num_batched_tokens=512, long_prefill_token_threshold=0,
+        attention_backend="cpu-native",
     )  # fmt: skip
     options.update(kwargs)
     return LLM(str(path), hooks=CHECKED, **options)

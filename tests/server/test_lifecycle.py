@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import signal
 import threading
 import time
@@ -268,6 +269,27 @@ def test_a_model_that_fails_to_load_ends_the_process(tmp_path: Path) -> None:
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert "not a local Hugging Face model directory" in result.stderr
+
+
+def test_partial_prefill_limits_are_checked_before_the_model_loads(tmp_path: Path) -> None:
+    """A flag, or its environment variable, that chunked prefill cannot honour exits 2
+    naming the flag, before the (here missing) model is looked for."""
+    import subprocess
+    import sys
+
+    serve = [sys.executable, "-m", "server.cli", "serve", str(tmp_path / "missing")]
+    flag = subprocess.run(
+        [*serve, "--max-long-partial-prefills", "3"], capture_output=True, text=True, timeout=120
+    )
+    assert flag.returncode == 2
+    assert (
+        "error: --max-long-partial-prefills must be between 1 and --max-num-partial-prefills "
+        "(1), got 3" in flag.stderr
+    )
+    env = {**os.environ, "PAGEDSERVE_LONG_PREFILL_TOKEN_THRESHOLD": "-1"}
+    from_env = subprocess.run(serve, capture_output=True, text=True, timeout=120, env=env)
+    assert from_env.returncode == 2
+    assert "--long-prefill-token-threshold must be 0 (off) or positive" in from_env.stderr
 
 
 def test_a_signal_while_the_model_loads_exits_at_once(tiny_model_dir: Path, tmp_path: Path) -> None:

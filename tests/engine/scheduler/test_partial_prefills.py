@@ -8,7 +8,12 @@ import random
 
 import pytest
 
-from engine.config import EngineArgs, SchedulerConfig, check_scheduling_options
+from engine.config import (
+    EngineArgs,
+    SchedulerConfig,
+    check_scheduling_options,
+    resolve_prefill_chunks,
+)
 from engine.kv_cache import KVCacheManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -29,6 +34,7 @@ def make_scheduler(
     max_long: int = 1,
     num_blocks: int = 64,
     max_model_len: int = 64,
+    beside_decodes: int = 0,
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs=8,
@@ -37,6 +43,7 @@ def make_scheduler(
         max_num_partial_prefills=max_partial,
         max_long_partial_prefills=max_long,
         long_prefill_token_threshold=threshold,
+        prefill_chunk_beside_decodes=beside_decodes,
     )
     return Scheduler(config, KVCacheManager(num_blocks, 4, True))
 
@@ -123,6 +130,25 @@ def test_decodes_take_the_budget_before_a_prefill_ahead_of_them() -> None:
     assert output.scheduled[0].spec_token_ids == (5, 5, 5)
 
 
+def test_the_cap_beside_decodes_leaves_a_step_of_prompts_alone_its_budget() -> None:
+    sched = make_scheduler(budget=16, beside_decodes=4)
+    sched.add_request(make_request("a", 20, base=100, max_tokens=4))
+    # No decode yet: a's chunks take the whole budget.
+    assert step(sched) == [("a", 16)]
+    assert step(sched) == [("a", 4)]
+    sched.add_request(make_request("b", 11, base=200, max_tokens=2))
+    # a decodes now, so b's chunks are capped at 4, the last one finishing its prompt.
+    assert step(sched) == [("a", 1), ("b", 4)]
+    assert step(sched) == [("a", 1), ("b", 4)]
+    assert step(sched) == [("a", 1), ("b", 3)]
+    # a finished: b decodes, and c's first chunk is capped beside it; c then prefills
+    # alone, with the whole budget, once b has finished.
+    sched.add_request(make_request("c", 30, base=300, max_tokens=1))
+    assert step(sched) == [("b", 1), ("c", 4)]
+    assert step(sched) == [("c", 16)]
+    assert step(sched) == [("c", 10)]
+
+
 def test_defaults_leave_chunking_to_the_budget() -> None:
     sched = make_scheduler(budget=16)
     sched.add_request(make_request("a", 20, base=100))
@@ -135,9 +161,13 @@ def check_limits(sched: Scheduler, output: SchedulerOutput, decodes: set[str]) -
     """The limits of one step, checked after it was scheduled and before it ran."""
     config = sched.config
     threshold = config.long_prefill_token_threshold
+    beside = config.prefill_chunk_beside_decodes
+    decoding = any(entry.request_id in decodes for entry in output.scheduled)
     for entry in output.scheduled:
         if entry.request_id not in decodes and threshold:
             assert entry.num_new_tokens <= threshold
+        if entry.request_id not in decodes and decoding and beside:
+            assert entry.num_new_tokens <= beside
     # Every decode got its token: decodes alone never exceed these budgets.
     still_running = {r.request_id for r in sched.running}
     assert decodes & still_running <= {s.request_id for s in output.scheduled}
@@ -150,11 +180,19 @@ def check_limits(sched: Scheduler, output: SchedulerOutput, decodes: set[str]) -
 
 
 @pytest.mark.parametrize(
-    ("threshold", "max_partial", "max_long", "seed"),
-    [(0, 1, 1, 0), (8, 1, 1, 1), (6, 3, 1, 2), (5, 2, 2, 3), (0, 2, 1, 4)],
+    ("threshold", "max_partial", "max_long", "beside", "seed"),
+    [
+        (0, 1, 1, 0, 0),
+        (8, 1, 1, 0, 1),
+        (6, 3, 1, 0, 2),
+        (5, 2, 2, 0, 3),
+        (0, 2, 1, 0, 4),
+        (0, 1, 1, 4, 5),
+        (10, 2, 1, 3, 6),
+    ],
 )
 def test_randomized_soak_within_limits(
-    threshold: int, max_partial: int, max_long: int, seed: int
+    threshold: int, max_partial: int, max_long: int, beside: int, seed: int
 ) -> None:
     """Random arrivals, aborts and preemptions: each step holds every limit, and no
     running decode misses a step."""
@@ -166,6 +204,7 @@ def test_randomized_soak_within_limits(
         max_long=max_long,
         num_blocks=16,
         max_model_len=52,
+        beside_decodes=beside,
     )
     next_id = finished = preemptions = 0
     for _ in range(1200):
@@ -210,6 +249,27 @@ def test_flag_validation(values: dict[str, int], message: str) -> None:
         check_scheduling_options(EngineArgs(**values))  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("values", "max_model_len", "device", "task", "chunks"),
+    [
+        ({}, 8192, "cpu", "generate", (0, 64)),
+        ({"long_prefill_token_threshold": 0}, 8192, "cpu", "generate", (0, 0)),
+        ({"long_prefill_token_threshold": 32}, 8192, "cpu", "generate", (32, 0)),
+        ({"max_num_partial_prefills": 2}, 8192, "cpu", "generate", (327, 64)),
+        ({}, 8192, "cpu", "embed", (0, 0)),
+        ({}, 8192, "cuda", "generate", (0, 0)),
+        ({"max_num_partial_prefills": 2}, 8192, "cuda", "generate", (327, 0)),  # vLLM's 4%
+        ({"long_prefill_token_threshold": 100}, 8192, "cuda", "generate", (100, 0)),
+    ],
+)
+def test_default_chunks(
+    values: dict[str, int], max_model_len: int, device: str, task: str, chunks: tuple[int, int]
+) -> None:
+    """(threshold, cap beside decodes): the flag given replaces both defaults."""
+    args = EngineArgs(**values)  # type: ignore[arg-type]
+    assert resolve_prefill_chunks(args, max_model_len, device, task) == chunks
+
+
 def test_config_refuses_a_threshold_above_max_model_len() -> None:
     with pytest.raises(ValueError, match=r"\(65\) cannot be greater than max_model_len \(64\)"):
         make_scheduler(budget=16, threshold=65)
@@ -218,6 +278,10 @@ def test_config_refuses_a_threshold_above_max_model_len() -> None:
 
 def test_the_startup_line_names_limits_set() -> None:
     assert SchedulerConfig().describe_prefill_limits() == ""
+    beside = SchedulerConfig(prefill_chunk_beside_decodes=64)
+    assert beside.describe_prefill_limits() == (
+        ", prefill chunks of at most 64 tokens beside decodes"
+    )
     limits = SchedulerConfig(
         long_prefill_token_threshold=64, max_num_partial_prefills=3, max_long_partial_prefills=2
     )
