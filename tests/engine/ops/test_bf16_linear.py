@@ -77,11 +77,11 @@ def test_any_thread_count_gives_the_same_bits(m: int) -> None:
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("m", [1, 2, 7, 64, 513])
+@pytest.mark.parametrize("m", [1, 2, 7, 15, 16, 17, 18, 19, 20, 64, 513])
 def test_every_row_count_takes_the_same_values_as_the_portable_loop(isa: str, m: int) -> None:
-    """Each set's path (AVX512_BF16: one or two tiles per pass, 1-8 rows; AVX2: 1-4 rows)
-    against the portable loop, which rounds the same float32 sums: they may differ only by
-    summation order."""
+    """Each set's path (AVX512_BF16: one or two tiles per pass, 1-8 rows; AVX2: 1-4 rows, or
+    from 16 rows on, float32 panels in passes of 1-6 rows) against the portable loop, which
+    rounds the same float32 sums: they may differ only by summation order."""
     g = torch.Generator().manual_seed(m)
     weight, x = (
         torch.randn(200, 96, generator=g).bfloat16(),
@@ -92,6 +92,29 @@ def test_every_row_count_takes_the_same_values_as_the_portable_loop(isa: str, m:
     slow = torch.ops.pagedserve.bf16_linear(x, tiled, 200, "portable")
     torch.testing.assert_close(fast, slow, rtol=2**-7, atol=1e-3)
     assert_rounded_reference(fast, reference(x, weight))
+
+
+AVX2 = [p for p in ISAS if p.values[0] == "avx2"]
+
+
+@pytest.mark.parametrize("isa", AVX2)
+@pytest.mark.parametrize("k", [2, 96, 1536])
+def test_avx2_panels_give_the_bits_of_four_row_passes(isa: str, k: int) -> None:
+    """From 16 rows on, the AVX2 path widens each tile to float32 once and runs 6-row passes
+    over it; below, 4-row passes decode the weights in registers. Both add the same exact
+    products in the same order, so 17 rows at once equal the same rows 4 (and 1) at a time,
+    bit for bit, and a wrong panel offset or row remainder shows at once."""
+    g = torch.Generator().manual_seed(k)
+    weight = torch.randn(200, k, generator=g).bfloat16()
+    x = torch.randn(17, k, generator=g).bfloat16()
+    tiled = tile_bf16_weight(weight)
+    together = torch.ops.pagedserve.bf16_linear(x, tiled, 200, isa)
+    in_fours = [
+        torch.ops.pagedserve.bf16_linear(x[i : i + 4], tiled, 200, isa) for i in (0, 4, 8, 12)
+    ]
+    assert torch.equal(together[:16], torch.cat(in_fours))
+    # The last row is a 1-row pass of its own below 16 rows, which alternates two sums.
+    assert_rounded_reference(together[16:], reference(x[16:], weight))
 
 
 def test_tiles_pad_rows_and_keep_every_weight() -> None:
