@@ -53,10 +53,10 @@ def capture_layer_args(llm: LLM, prompt: list[int]) -> list[tuple[Any, ...]]:
     captured: list[list[tuple[Any, ...]]] = []
     run = llama.run_fused_layers
 
-    def spy(layers: Any, x: torch.Tensor, cos: Any, sin: Any, attn: Any) -> Any:
+    def spy(layers: Any, x: torch.Tensor, cos: Any, sin: Any, attn: Any, *rest: Any) -> Any:
         k_caches, v_caches, *shared = attn.stack_args()
         captured.append([(k, v, *shared) for k, v in zip(k_caches, v_caches, strict=True)])
-        return run(layers, x, cos, sin, attn)
+        return run(layers, x, cos, sin, attn, *rest)
 
     llama.run_fused_layers = spy
     try:
