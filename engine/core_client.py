@@ -79,6 +79,7 @@ def start_core(
         hooks or EngineHooks(),
         [CoreChannel(*pair, write) for pair, (_, write) in zip(addresses, pipes, strict=True)],
         logging_config,
+        os.getpid(),
     )
     env = dict(os.environ)
     # OpenMP threads that wait at a step's barriers sleep rather than spin (unless the user

@@ -28,9 +28,10 @@ With several frontends, frontend 0 gets every step's result (it publishes the en
 gauges and counters, once); the others get a step's result when it holds outputs of theirs.
 
 The process outlives no one: it exits when its parent does (it polls getppid, which is
-exact for a reparented child), ignores the terminal's SIGINT and SIGTERM (the frontends
-drain first, then each sends QUIT; the core exits after the last), and exits 1 after
-reporting a step that raised.
+exact for a reparented child, against the pid the frontend sent: one that exited while the
+core was still importing has reparented it before its first look), ignores the terminal's
+SIGINT and SIGTERM (the frontends drain first, then each sends QUIT; the core exits after
+the last), and exits 1 after reporting a step that raised.
 """
 
 from __future__ import annotations
@@ -137,6 +138,9 @@ class CoreLaunch:
     hooks: EngineHooks
     channels: list[CoreChannel]  # one per frontend
     logging_config: dict[str, Any] | None
+    # The starting frontend's pid. The core's own getppid() at startup would not do: a
+    # frontend that exits while the core is still importing has reparented it already.
+    parent: int
 
 
 @dataclass(frozen=True)
@@ -340,7 +344,7 @@ def main() -> int:
     from engine.core import EngineCore
 
     launch: CoreLaunch = pickle.load(sys.stdin.buffer)
-    parent = os.getppid()
+    parent = launch.parent
     # The frontend drains on SIGTERM/SIGINT first and then sends QUIT; a signal sent to the
     # whole process group must not end the core under requests still draining.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -349,6 +353,9 @@ def main() -> int:
         logging.config.dictConfig(launch.logging_config)
     else:
         logging.basicConfig(level=logging.INFO)
+    if os.getppid() != parent:
+        logger.warning("engine core: the frontend had gone before the core started; exiting")
+        return 1
     loaded = threading.Event()
     threading.Thread(
         target=_exit_with_parent, args=(parent, loaded), name="parent-watch", daemon=True

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -155,6 +157,32 @@ def test_a_dead_frontend_ends_the_core_and_its_workers(tiny_model_dir: Path) -> 
         server.proc.kill()
         server.proc.wait(timeout=30)
         assert wait_gone(under, timeout=30) == []
+
+
+def test_a_frontend_gone_before_the_core_started_leaves_no_core(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A frontend that exits at once (a SIGTERM while the model loads, as a rollout sends)
+    may be gone while its core is still importing torch: the core, reparented before its
+    first look at its parent, must still see that it has gone, and exit."""
+    script = (
+        "import sys\n"
+        "from engine import EngineArgs\n"
+        "from engine.core_client import start_core\n"
+        f"args = EngineArgs(model={str(tiny_model_dir)!r}, dtype='float32', num_kv_blocks=256)\n"
+        "start = start_core(args, None, None)\n"
+        "print(start.proc.pid, start.directory, flush=True)\n"
+    )
+    frontend = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    pid, directory = frontend.stdout.split()
+    try:
+        assert wait_gone([int(pid)], timeout=60) == []
+    finally:
+        if alive(int(pid)):
+            os.kill(int(pid), signal.SIGKILL)
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_sigterm_to_both_drains_then_ends_both(tiny_model_dir: Path, tmp_path: Path) -> None:
