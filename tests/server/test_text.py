@@ -48,8 +48,10 @@ def test_characters_split_across_tokens_stream_whole(server: LiveServer) -> None
     texts = [c["text"] for c in chunks if c["text"]]
     assert "".join(texts) == full["choices"][0]["text"]
     assert not any("\ufffd" in t for t in texts)
-    # The bytes of one character arrive as one piece, never as several.
-    assert {"é", "日", "🚀"} <= set(texts) and len(texts) < 22
+    # The bytes of one character arrive in one piece, never as several: each character is
+    # inside one chunk (with its neighbours, where the stream merged tokens that came
+    # faster than it was read), and the chunks are fewer than the byte tokens.
+    assert all(any(ch in t for t in texts) for ch in "é日🚀") and len(texts) < 22
     assert chunks[-1]["finish_reason"] == "length"
 
 
