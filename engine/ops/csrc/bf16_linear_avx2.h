@@ -176,10 +176,10 @@ void avx2_tiles(const Bf16Weight& w, const c10::BFloat16* x, int64_t M, c10::BFl
       if (panels) {
         widen_tile(w, t, panel.data());
         // The first pass asks for the tile after next of the run, if there is one.
-        const char* next = reinterpret_cast<const char*>(w.tile(t + 2));
+        const char* next = t + 2 < end ? reinterpret_cast<const char*>(w.tile(t + 2)) : nullptr;
         for (int64_t r0 = 0; r0 < M; r0 += kPanelRows) {
           const int64_t rows = std::min(kPanelRows, M - r0);
-          if (r0 == 0 && t + 2 < end) {
+          if (r0 == 0 && next != nullptr) {
             panel_rows_fma<true>(w, t, panel.data(), xf.data(), rows, y, next);
           } else {
             panel_rows_fma<false>(w, t, panel.data(), xf.data() + r0 * w.K, rows, y + r0 * w.N,
