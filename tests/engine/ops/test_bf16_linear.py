@@ -102,7 +102,7 @@ AVX2 = [p for p in ISAS if p.values[0] == "avx2"]
 def test_avx2_panels_give_the_bits_of_four_row_passes(isa: str, k: int) -> None:
     """From 16 rows on, the AVX2 path widens each tile to float32 once and runs 6-row passes
     over it; below, 4-row passes decode the weights in registers. Both add the same exact
-    products in the same order, so 17 rows at once equal the same rows 4 (and 1) at a time,
+    products in the same order, so 16 of 17 rows at once equal the same rows 4 at a time,
     bit for bit, and a wrong panel offset or row remainder shows at once."""
     g = torch.Generator().manual_seed(k)
     weight = torch.randn(200, k, generator=g).bfloat16()
