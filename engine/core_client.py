@@ -87,7 +87,9 @@ def start_core(
     # one it waits for is parked: with one busy neighbour in another session (a container
     # beside another), a default-model token took 1.2 s against 12 ms passive, and quiet
     # runs were the same within noise (docs/benchmarks.md, "A shared or throttled CPU").
-    env.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
+    # A GOMP_SPINCOUNT of the user's is a choice too: PASSIVE would make libgomp ignore it.
+    if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
+        env["OMP_WAIT_POLICY"] = OMP_WAIT_POLICY
     # The same `engine` package as this process, wherever it was imported from.
     root = str(Path(engine.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))

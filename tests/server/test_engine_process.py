@@ -114,12 +114,21 @@ def test_an_idle_core_sleeps(tiny_model_dir: Path) -> None:
         assert b"OMP_WAIT_POLICY=PASSIVE" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
 
 
-def test_the_openmp_wait_policy_is_the_users_when_set() -> None:
-    with patch.dict(os.environ, {"OMP_WAIT_POLICY": "ACTIVE"}):
+@pytest.mark.parametrize(
+    ("variable", "value"), [("OMP_WAIT_POLICY", "ACTIVE"), ("GOMP_SPINCOUNT", "1000")]
+)
+def test_the_openmp_wait_policy_is_the_users_when_set(variable: str, value: str) -> None:
+    """A wait policy or a spin count of the user's reaches the core as it is, with no
+    PASSIVE beside it (libgomp ignores the spin count under PASSIVE)."""
+    environment = {
+        k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+    }
+    with patch.dict(os.environ, {**environment, variable: value}, clear=True):
         start = start_core(EngineArgs(model="/nonexistent"), None, None)
         try:
             environ = Path(f"/proc/{start.proc.pid}/environ").read_bytes().split(b"\0")
-            assert b"OMP_WAIT_POLICY=ACTIVE" in environ
+            assert f"{variable}={value}".encode() in environ
+            assert b"OMP_WAIT_POLICY=PASSIVE" not in environ
         finally:
             start.proc.kill()
             start.proc.wait()
