@@ -85,8 +85,10 @@ def start_core(
     # OpenMP threads that wait at a step's barriers sleep rather than spin (unless the user
     # says otherwise). On a shared CPU a spinning thread burns its group's share while the
     # one it waits for is parked: with one busy neighbour in another session (a container
-    # beside another), a default-model token took 1.2 s against 12 ms passive, and quiet
-    # runs were the same within noise (docs/benchmarks.md, "A shared or throttled CPU").
+    # beside another), a default-model token took 1.2 s against 12 ms passive. Quiet, a
+    # short spin is faster (single-stream ITL 7.7 against 9.2 ms with GOMP_SPINCOUNT=1000)
+    # but doubled it beside such a neighbour (docs/benchmarks.md, "A shared or throttled
+    # CPU" and the OpenMP wait policy, again), so sleeping is the default.
     # A GOMP_SPINCOUNT of the user's is a choice too: PASSIVE would make libgomp ignore it.
     if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
         env["OMP_WAIT_POLICY"] = OMP_WAIT_POLICY
