@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # pytest-xdist workers for `make test`, each pinned to its share of the CPUs; whole files
 # go to one worker (their module fixtures start once), the longest first (conftest.py).
 TEST_WORKERS ?= 2
-# `make soak`: seconds of random load (`make test` runs a one-minute soak).
+# `make soak`: seconds of random load (`make test` runs a 30-second soak).
 SOAK_SECONDS ?= 600
 
 .PHONY: install serve test soak lint format clean promtool chromium redis-server docs

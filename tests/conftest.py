@@ -33,7 +33,7 @@ def pytest_configure(config: pytest.Config) -> None:
         os.sched_setaffinity(0, share)
 
 
-# The two longest files, a wheel build and the one-minute soak: a parallel run that started
+# The two longest files, a wheel build and the 30-second soak: a parallel run that started
 # either late would end on it while the other workers sit idle.
 LONGEST = ("test_wheel.py", "test_soak.py")
 
