@@ -19,6 +19,32 @@ constexpr int64_t kFmaRows = 4;
 // As the dot-product kernel: 8 KB ahead into L2.
 constexpr int64_t kFmaPrefetchAhead = 8192;
 
+// Stores R rows' tile of float32 sums (each row's two halves) as bfloat16, nearest even:
+// 8 lanes at a time in a whole tile (avx2::store8 rounds as c10::BFloat16 does, NaN
+// included), one at a time in the last, partial, tile.
+template <int64_t R>
+inline void store_tile_rows(const Bf16Weight& w, int64_t t, __m256 (&acc)[R][2],
+                            c10::BFloat16* y) {
+  const int64_t n0 = t * Bf16Weight::kTile, count = std::min(Bf16Weight::kTile, w.N - n0);
+  if (count == Bf16Weight::kTile) {
+#pragma GCC unroll 6
+    for (int64_t r = 0; r < R; ++r) {
+      avx2::store8(y + r * w.N + n0, acc[r][0]);
+      avx2::store8(y + r * w.N + n0 + 8, acc[r][1]);
+    }
+    return;
+  }
+  alignas(32) float lanes[R][Bf16Weight::kTile];
+#pragma GCC unroll 6
+  for (int64_t r = 0; r < R; ++r) {
+    _mm256_store_ps(lanes[r], acc[r][0]);
+    _mm256_store_ps(lanes[r] + 8, acc[r][1]);
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t i = 0; i < count; ++i) y[r * w.N + n0 + i].x = round_bf16(lanes[r][i]);
+  }
+}
+
 template <int64_t R>
 void tile_fma(const Bf16Weight& w, int64_t t, const float* x, c10::BFloat16* y) {
   // One row alternates two partial sums, so consecutive FMAs do not wait on each other.
@@ -32,6 +58,9 @@ void tile_fma(const Bf16Weight& w, int64_t t, const float* x, c10::BFloat16* y) 
     for (int64_t r = 0; r < R; ++r) acc[p][r][0] = acc[p][r][1] = _mm256_setzero_ps();
   }
   const c10::BFloat16* tile = w.tile(t);
+  const float* xr[R];  // as widening_fma
+#pragma GCC unroll 4
+  for (int64_t r = 0; r < R; ++r) xr[r] = x + r * w.K;
   auto step = [&](int64_t pair, int64_t p) {
     const c10::BFloat16* line = tile + pair * 2 * Bf16Weight::kTile;
     _mm_prefetch(reinterpret_cast<const char*>(line) + kFmaPrefetchAhead, _MM_HINT_T1);
@@ -43,8 +72,8 @@ void tile_fma(const Bf16Weight& w, int64_t t, const float* x, c10::BFloat16* y) 
     }
 #pragma GCC unroll 4
     for (int64_t r = 0; r < R; ++r) {
-      const __m256 x0 = _mm256_broadcast_ss(x + r * w.K + 2 * pair);
-      const __m256 x1 = _mm256_broadcast_ss(x + r * w.K + 2 * pair + 1);
+      const __m256 x0 = _mm256_broadcast_ss(xr[r] + 2 * pair);
+      const __m256 x1 = _mm256_broadcast_ss(xr[r] + 2 * pair + 1);
       for (int h = 0; h < 2; ++h) {
         acc[p][r][h] = _mm256_fmadd_ps(even[h], x0, acc[p][r][h]);
         acc[p][r][h] = _mm256_fmadd_ps(odd[h], x1, acc[p][r][h]);
@@ -58,20 +87,16 @@ void tile_fma(const Bf16Weight& w, int64_t t, const float* x, c10::BFloat16* y) 
   for (; pair < pairs; ++pair) step(pair, 0);
   // Every loop over acc is unrolled: one that is not makes GCC keep acc in memory and store
   // all of it back on every pair (4 rows: 60 GFLOP/s a thread with the stores, 83 without).
-  alignas(32) float lanes[R][Bf16Weight::kTile];
+  __m256 sum[R][2];
 #pragma GCC unroll 4
   for (int64_t r = 0; r < R; ++r) {
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
-      __m256 sum = acc[0][r][h];
-      if constexpr (P == 2) sum = _mm256_add_ps(sum, acc[1][r][h]);
-      _mm256_store_ps(lanes[r] + 8 * h, sum);
+      sum[r][h] = acc[0][r][h];
+      if constexpr (P == 2) sum[r][h] = _mm256_add_ps(sum[r][h], acc[1][r][h]);
     }
   }
-  const int64_t n0 = t * Bf16Weight::kTile, count = std::min(Bf16Weight::kTile, w.N - n0);
-  for (int64_t r = 0; r < R; ++r) {
-    for (int64_t i = 0; i < count; ++i) y[r * w.N + n0 + i].x = round_bf16(lanes[r][i]);
-  }
+  store_tile_rows<R>(w, t, sum, y);
 }
 
 void tile_rows_fma(const Bf16Weight& w, int64_t t, const float* x, int64_t rows,
@@ -100,22 +125,6 @@ constexpr int64_t kPanelRows = 6;
 // decoded in registers for a pass or two rather than written and read back.
 constexpr int64_t kPanelMinRows = 16;
 
-// Stores R rows' tile of float32 sums as bfloat16.
-template <int64_t R>
-inline void store_panel_rows(const Bf16Weight& w, int64_t t, __m256 (&acc)[R][2],
-                             c10::BFloat16* y) {
-  alignas(32) float lanes[R][Bf16Weight::kTile];
-#pragma GCC unroll 6
-  for (int64_t r = 0; r < R; ++r) {
-    _mm256_store_ps(lanes[r], acc[r][0]);
-    _mm256_store_ps(lanes[r] + 8, acc[r][1]);
-  }
-  const int64_t n0 = t * Bf16Weight::kTile, count = std::min(Bf16Weight::kTile, w.N - n0);
-  for (int64_t r = 0; r < R; ++r) {
-    for (int64_t i = 0; i < count; ++i) y[r * w.N + n0 + i].x = round_bf16(lanes[r][i]);
-  }
-}
-
 // The first pass of rows over tile t: the bfloat16 weights decoded in registers, each k's
 // two float32 vectors also stored to the panel (panel[k * 16 + i] = w[n0 + i, k]) for the
 // passes after it. `next`: a later tile's bfloat16 weights (K * 32 bytes), asked into L2 as
@@ -126,10 +135,16 @@ template <int64_t R>
 void widening_fma(const Bf16Weight& w, int64_t t, float* panel, const float* x,
                   c10::BFloat16* y, const char* next) {
   const c10::BFloat16* tile = w.tile(t);
+  // Each row's start once, so the loop indexes them with k alone (with x + r * w.K in it,
+  // GCC reloaded w.K and rebuilt six addresses for every k).
+  const float* xr[R];
+#pragma GCC unroll 6
+  for (int64_t r = 0; r < R; ++r) xr[r] = x + r * w.K;
   __m256 acc[R][2];
 #pragma GCC unroll 6
   for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t pair = 0; pair < w.K / 2; ++pair) {
+  const int64_t pairs = w.K / 2;
+  for (int64_t pair = 0; pair < pairs; ++pair) {
     if (next != nullptr) _mm_prefetch(next + pair * 64, _MM_HINT_T1);
     const auto* line = reinterpret_cast<const __m256i*>(tile + pair * 2 * Bf16Weight::kTile);
     float* even = panel + 2 * pair * Bf16Weight::kTile;
@@ -147,34 +162,38 @@ void widening_fma(const Bf16Weight& w, int64_t t, float* panel, const float* x,
       }
 #pragma GCC unroll 6
       for (int64_t r = 0; r < R; ++r) {
-        const __m256 a = _mm256_broadcast_ss(x + r * w.K + 2 * pair + parity);
+        const __m256 a = _mm256_broadcast_ss(xr[r] + 2 * pair + parity);
         acc[r][0] = _mm256_fmadd_ps(b[0], a, acc[r][0]);
         acc[r][1] = _mm256_fmadd_ps(b[1], a, acc[r][1]);
       }
     }
   }
-  store_panel_rows<R>(w, t, acc, y);
+  store_tile_rows<R>(w, t, acc, y);
 }
 
 // A later pass of rows over the tile's panel.
 template <int64_t R>
 void panel_fma(const Bf16Weight& w, int64_t t, const float* panel, const float* x,
                c10::BFloat16* y) {
+  const float* xr[R];  // as widening_fma
+#pragma GCC unroll 6
+  for (int64_t r = 0; r < R; ++r) xr[r] = x + r * w.K;
   __m256 acc[R][2];
 #pragma GCC unroll 6
   for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const int64_t K = w.K;
 #pragma GCC unroll 2
-  for (int64_t k = 0; k < w.K; ++k) {
+  for (int64_t k = 0; k < K; ++k) {
     const __m256 b0 = _mm256_loadu_ps(panel + k * Bf16Weight::kTile);
     const __m256 b1 = _mm256_loadu_ps(panel + k * Bf16Weight::kTile + 8);
 #pragma GCC unroll 6
     for (int64_t r = 0; r < R; ++r) {
-      const __m256 a = _mm256_broadcast_ss(x + r * w.K + k);
+      const __m256 a = _mm256_broadcast_ss(xr[r] + k);
       acc[r][0] = _mm256_fmadd_ps(b0, a, acc[r][0]);
       acc[r][1] = _mm256_fmadd_ps(b1, a, acc[r][1]);
     }
   }
-  store_panel_rows<R>(w, t, acc, y);
+  store_tile_rows<R>(w, t, acc, y);
 }
 
 // One pass of `rows` (1..kPanelRows) rows over tile t: the first widens the tile into the
