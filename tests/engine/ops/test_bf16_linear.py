@@ -100,8 +100,9 @@ AVX2 = [p for p in ISAS if p.values[0] == "avx2"]
 @pytest.mark.parametrize("isa", AVX2)
 @pytest.mark.parametrize("k", [2, 96, 1536])
 def test_avx2_panels_give_the_bits_of_four_row_passes(isa: str, k: int) -> None:
-    """From 16 rows on, the AVX2 path widens each tile to float32 once and runs 6-row passes
-    over it; below, 4-row passes decode the weights in registers. Both add the same exact
+    """From 16 rows on, the AVX2 path widens each tile to float32 once, in the first of its
+    passes of at most 6 rows (17 rows: 6, 6, 5), and the later passes read it; below, 4-row
+    passes decode the weights in registers. Both add the same exact
     products in the same order, so 16 of 17 rows at once equal the same rows 4 at a time,
     bit for bit, and a wrong panel offset or row remainder shows at once."""
     g = torch.Generator().manual_seed(k)
@@ -115,6 +116,25 @@ def test_avx2_panels_give_the_bits_of_four_row_passes(isa: str, k: int) -> None:
     assert torch.equal(together[:16], torch.cat(in_fours))
     # The last row is a 1-row pass of its own below 16 rows, which alternates two sums.
     assert_rounded_reference(together[16:], reference(x[16:], weight))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("m", [3, 16])
+def test_infinities_and_nans_round_as_the_portable_loop(isa: str, m: int) -> None:
+    """A row of x with an infinity gives +-inf where the portable loop does, a row of NaN
+    gives bfloat16's NaN (0x7fc0, c10's), bit for bit, in whole tiles and the partial last
+    one (N = 40), through the few-row and the panel paths."""
+    g = torch.Generator().manual_seed(m)
+    weight = torch.randn(40, 64, generator=g).bfloat16()
+    x = torch.randn(m, 64, generator=g).bfloat16()
+    x[0, 5] = float("inf")
+    x[1] = float("nan")
+    tiled = tile_bf16_weight(weight)
+    fast = torch.ops.pagedserve.bf16_linear(x, tiled, 40, isa)
+    slow = torch.ops.pagedserve.bf16_linear(x, tiled, 40, "portable")
+    assert fast[0].isinf().all() and (fast[1].view(torch.int16) == 0x7FC0).all()
+    assert torch.equal(fast[:2].view(torch.int16), slow[:2].view(torch.int16))
+    assert_rounded_reference(fast[2:], reference(x[2:], weight))
 
 
 def test_tiles_pad_rows_and_keep_every_weight() -> None:
