@@ -19,27 +19,17 @@ constexpr int64_t kFmaRows = 4;
 // As the dot-product kernel: 8 KB ahead into L2.
 constexpr int64_t kFmaPrefetchAhead = 8192;
 
-// Stores R rows' tile of float32 sums (each row's two halves) as bfloat16, nearest even:
-// 8 lanes at a time in a whole tile (avx2::store8 rounds as c10::BFloat16 does, NaN
-// included), one at a time in the last, partial, tile.
+// Stores R rows' tile of float32 sums (each row's two halves) as bfloat16, nearest even.
 template <int64_t R>
 inline void store_tile_rows(const Bf16Weight& w, int64_t t, __m256 (&acc)[R][2],
                             c10::BFloat16* y) {
-  const int64_t n0 = t * Bf16Weight::kTile, count = std::min(Bf16Weight::kTile, w.N - n0);
-  if (count == Bf16Weight::kTile) {
-#pragma GCC unroll 6
-    for (int64_t r = 0; r < R; ++r) {
-      avx2::store8(y + r * w.N + n0, acc[r][0]);
-      avx2::store8(y + r * w.N + n0 + 8, acc[r][1]);
-    }
-    return;
-  }
   alignas(32) float lanes[R][Bf16Weight::kTile];
 #pragma GCC unroll 6
   for (int64_t r = 0; r < R; ++r) {
     _mm256_store_ps(lanes[r], acc[r][0]);
     _mm256_store_ps(lanes[r] + 8, acc[r][1]);
   }
+  const int64_t n0 = t * Bf16Weight::kTile, count = std::min(Bf16Weight::kTile, w.N - n0);
   for (int64_t r = 0; r < R; ++r) {
     for (int64_t i = 0; i < count; ++i) y[r * w.N + n0 + i].x = round_bf16(lanes[r][i]);
   }

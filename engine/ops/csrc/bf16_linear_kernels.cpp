@@ -34,8 +34,6 @@
 #elif defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #include <immintrin.h>
 #include <vector>
-
-#include "simd_avx2.h"
 #define PAGEDSERVE_BF16_AVX2 1
 #endif
 

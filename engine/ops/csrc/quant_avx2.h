@@ -85,16 +85,13 @@ void tile_int_avx2(const QuantWeight& w, int64_t t, const QuantRows& a, QuantOut
   const int64_t groups = w.groups(), blocks = w.blocks(), per_group = w.group / QuantWeight::kBlock;
   __m256 acc[R][2], part[R][2];
   __m256i sum[R][2];
-  // Each row's start once, so the loops index them with k alone (as the bfloat16 kernels).
-  const int16_t* xr[R];
-  for (int64_t r = 0; r < R; ++r) xr[r] = a.xq + r * w.K;
   for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     for (int64_t r = 0; r < R; ++r) part[r][0] = part[r][1] = _mm256_setzero_ps();
     for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
       const uint8_t* blk = w.block(t, b);
       prefetch_block(w, blk);
-      const int64_t k0 = b * QuantWeight::kBlock;
+      const int16_t* xq = a.xq + b * QuantWeight::kBlock;
       for (int64_t r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 4
       for (int64_t pair = 0; pair < QuantWeight::kBlock / 2; ++pair) {
@@ -103,7 +100,7 @@ void tile_int_avx2(const QuantWeight& w, int64_t t, const QuantRows& a, QuantOut
 #pragma GCC unroll 8
         for (int64_t r = 0; r < R; ++r) {
           int32_t x_pair;
-          std::memcpy(&x_pair, xr[r] + k0 + 2 * pair, sizeof(x_pair));
+          std::memcpy(&x_pair, xq + r * w.K + 2 * pair, sizeof(x_pair));
           const __m256i xv = _mm256_set1_epi32(x_pair);
           sum[r][0] = _mm256_add_epi32(sum[r][0], _mm256_madd_epi16(lo, xv));
           sum[r][1] = _mm256_add_epi32(sum[r][1], _mm256_madd_epi16(hi, xv));
@@ -125,15 +122,13 @@ template <int Bits, int64_t R>
 void tile_f32_avx2(const QuantWeight& w, int64_t t, const QuantRows& a, QuantOut out) {
   const int64_t groups = w.groups(), per_group = w.group / QuantWeight::kBlock;
   __m256 acc[R][2], part[R][2];
-  const float* xr[R];  // as tile_int_avx2
-  for (int64_t r = 0; r < R; ++r) xr[r] = a.x + r * w.K;
   for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     for (int64_t r = 0; r < R; ++r) part[r][0] = part[r][1] = _mm256_setzero_ps();
     for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
       const uint8_t* blk = w.block(t, b);
       prefetch_block(w, blk);
-      const int64_t k0 = b * QuantWeight::kBlock;
+      const float* x = a.x + b * QuantWeight::kBlock;
       for (int64_t pair = 0; pair < QuantWeight::kBlock / 2; ++pair) {
         __m256i halves[2];
         unpack_pairs<Bits>(blk, pair, &halves[0], &halves[1]);
@@ -142,9 +137,9 @@ void tile_f32_avx2(const QuantWeight& w, int64_t t, const QuantRows& a, QuantOut
           const __m256 even = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(halves[h], 16), 16));
           const __m256 odd = _mm256_cvtepi32_ps(_mm256_srai_epi32(halves[h], 16));
           for (int64_t r = 0; r < R; ++r) {
-            const float* xk = xr[r] + k0 + 2 * pair;
-            part[r][h] = _mm256_fmadd_ps(even, _mm256_set1_ps(xk[0]), part[r][h]);
-            part[r][h] = _mm256_fmadd_ps(odd, _mm256_set1_ps(xk[1]), part[r][h]);
+            const float* xr = x + r * w.K + 2 * pair;
+            part[r][h] = _mm256_fmadd_ps(even, _mm256_set1_ps(xr[0]), part[r][h]);
+            part[r][h] = _mm256_fmadd_ps(odd, _mm256_set1_ps(xr[1]), part[r][h]);
           }
         }
       }
