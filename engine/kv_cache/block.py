@@ -27,12 +27,14 @@ class BlockHash:
 class KVCacheBlock:
     """One page of KV cache. `prev_free`/`next_free` link it into the FreeBlockQueue."""
 
-    __slots__ = ("block_hash", "block_id", "next_free", "prev_free", "ref_cnt")
+    __slots__ = ("block_hash", "block_id", "group", "next_free", "prev_free", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: BlockHash | None = None
+        # The KV cache group whose prefix cache holds it (engine/kv_cache/groups.py).
+        self.group = 0
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 

@@ -14,6 +14,11 @@ class BlockPool:
     A freed block that holds a cached full prefix keeps its hash, and so stays findable,
     until it is popped from the free queue for reuse (lazy eviction). `events` hears of
     every block that becomes findable and of every one that stops being so, in order.
+
+    A hybrid model's KV cache groups (engine/kv_cache/groups.py) share the pool, each with
+    a prefix cache of its own: the same prefix has a block in each group, holding different
+    layers' K/V. Only group 0's are reported to `events`, so that a consumer sees each
+    prefix once.
     """
 
     def __init__(self, num_blocks: int, events: KVEventListener | None = None) -> None:
@@ -23,7 +28,7 @@ class BlockPool:
         self.events: KVEventListener = events or NoKVEvents()
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
-        self.cached: dict[bytes, KVCacheBlock] = {}
+        self.cached: dict[bytes | tuple[int, bytes], KVCacheBlock] = {}
         # Blocks 0 .. num_ever_used - 1 have been allocated at least once, the rest never:
         # the queue starts in id order, hands out its front first, and only ever takes
         # back (or pulls out of its middle) blocks that were allocated before.
@@ -37,9 +42,9 @@ class BlockPool:
         """Share of blocks held by requests (ref_cnt > 0); cached-free blocks count as free."""
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def lookup(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        """The cached block with exactly this digest and these token ids, if any."""
-        block = self.cached.get(block_hash.digest)
+    def lookup(self, block_hash: BlockHash, group: int = 0) -> KVCacheBlock | None:
+        """The block `group` cached with exactly this digest and these token ids, if any."""
+        block = self.cached.get(_cache_key(block_hash, group))
         if block is None or block.block_hash != block_hash:
             return None
         return block
@@ -76,21 +81,27 @@ class BlockPool:
                 self.free_queue.append(block)
 
     def cache(
-        self, block: KVCacheBlock, block_hash: BlockHash, parent: BlockHash | None = None
+        self,
+        block: KVCacheBlock,
+        block_hash: BlockHash,
+        parent: BlockHash | None = None,
+        group: int = 0,
     ) -> None:
-        """Registers a full block under its hash; `parent` is the hash of the block before
-        it in the chain (None for a first block), for the stored event.
+        """Registers a full block of `group` under its hash; `parent` is the hash of the
+        block before it in the chain (None for a first block), for the stored event.
 
         If an equal block is already registered (two requests computed the same prefix at
         once), the first one stays the cache entry and this block stays private.
         """
         if block.block_hash is not None:
             return
-        if block_hash.digest in self.cached:
+        key = _cache_key(block_hash, group)
+        if key in self.cached:
             return
-        block.block_hash = block_hash
-        self.cached[block_hash.digest] = block
-        self.events.block_stored(block_hash, parent)
+        block.block_hash, block.group = block_hash, group
+        self.cached[key] = block
+        if group == 0:
+            self.events.block_stored(block_hash, parent)
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block, if no request holds a block (their hashes are in
@@ -98,7 +109,7 @@ class BlockPool:
         if self.num_free_blocks != self.num_blocks:
             return False
         for block in self.cached.values():
-            block.block_hash = None
+            block.block_hash, block.group = None, 0
         self.cached.clear()
         self.events.all_cleared()
         return True
@@ -107,9 +118,10 @@ class BlockPool:
         # Only registered blocks carry a hash: cache() leaves duplicates unhashed.
         if block.block_hash is None:
             return
-        del self.cached[block.block_hash.digest]
-        self.events.block_removed(block.block_hash)
-        block.block_hash = None
+        del self.cached[_cache_key(block.block_hash, block.group)]
+        if block.group == 0:
+            self.events.block_removed(block.block_hash)
+        block.block_hash, block.group = None, 0
 
     def check_invariants(self, held: Sequence[Sequence[KVCacheBlock]] | None = None) -> None:
         """Raise AssertionError if the pool is inconsistent.
@@ -135,8 +147,9 @@ class BlockPool:
             "never-used blocks must lead the free queue, in id order"
         )
         assert all(self.blocks[i].block_hash is None for i in never_used)
-        for digest, block in self.cached.items():
-            assert block.block_hash is not None and block.block_hash.digest == digest, (
+        for key, block in self.cached.items():
+            assert block.block_hash is not None, f"cache entry for {block} has no hash"
+            assert _cache_key(block.block_hash, block.group) == key, (
                 f"cache entry for {block} does not match its hash"
             )
         if held is not None:
@@ -148,3 +161,8 @@ class BlockPool:
                 assert block.ref_cnt == holders[block.block_id], (
                     f"{block} is held by {holders[block.block_id]} requests"
                 )
+
+
+def _cache_key(block_hash: BlockHash, group: int) -> bytes | tuple[int, bytes]:
+    """The prefix-cache map's key: the digest for group 0, (group, digest) for the others."""
+    return block_hash.digest if group == 0 else (group, block_hash.digest)

@@ -232,7 +232,7 @@ def test_double_free_is_refused() -> None:
         pool.free(blocks)
 
 
-def test_find_hits_is_a_lookup_and_hashing_is_explicit() -> None:
+def test_lookups_change_nothing_and_hashing_is_explicit() -> None:
     manager = KVCacheManager(num_blocks=10, block_size=B)
     prompt = list(range(9))
     a = make_request("a", prompt)
@@ -241,13 +241,14 @@ def test_find_hits_is_a_lookup_and_hashing_is_explicit() -> None:
     cache = manager.prefix_cache
     b = make_request("b", list(prompt))
     before = (free_order(manager), [blk.ref_cnt for blk in manager.pool.blocks])
-    assert cache.find_hits(b) == [] and b.block_hashes == []  # not hashed yet: no lookup
+    assert cache.max_hit_blocks(b) == 0 and b.block_hashes == []  # not hashed: no lookup
     cache.update_hashes(b)
-    assert len(b.block_hashes) == 2
-    hits = cache.find_hits(b)
-    assert [h.block_id for h in hits] == [0, 1]
+    assert len(b.block_hashes) == 2 and cache.max_hit_blocks(b) == 2
+    hits = [cache.lookup(b, i, 0) for i in range(2)]
+    assert [h.block_id for h in hits if h is not None] == [0, 1]
+    assert cache.lookup(b, 0, 1) is None  # another group's prefix cache has none of them
     assert (free_order(manager), [blk.ref_cnt for blk in manager.pool.blocks]) == before
-    assert len(b.block_hashes) == 2  # find_hits left the request alone
+    assert len(b.block_hashes) == 2  # lookups left the request alone
 
 
 def test_resumed_request_is_not_counted_again() -> None:

@@ -3,7 +3,7 @@ back to the pool (exact block ids and free order), and prefix hits stay correct.
 
 from __future__ import annotations
 
-from engine.kv_cache import KVCacheManager
+from engine.kv_cache import SKIPPED, KVCacheManager
 from tests.engine.kv_cache.test_kv_cache import B, admit, free_order, make_request
 
 WINDOW = 4  # tokens: a query at position p sees p - 3..p
@@ -36,23 +36,29 @@ def test_a_prefix_hit_after_freeing_never_uses_a_reused_block() -> None:
     manager.allocate_slots(a, 1)  # frees blocks 0 and 1, still cached
     a.num_computed_tokens += 1
 
-    # A second request with the same prompt hits all three full blocks (freed ones too),
-    # then gives back at once those out of its own window: it resumes at position 12.
+    # A second request with the same prompt hits all three full blocks, but takes only the
+    # one in the window of its first query (it resumes at 12 and sees 9..12): block 2. The
+    # two before it are SKIPPED: page 0, held by nobody.
     b = make_request("b", prompt)
     hits, num_hit = manager.get_computed_blocks(b)
-    assert [h.block_id for h in hits] == [0, 1, 2] and num_hit == 12
+    assert hits == [SKIPPED, SKIPPED, manager.pool.blocks[2]] and num_hit == 12
     assert [n.block_id for n in manager.allocate_slots(b, 1, hits) or []] == [4]
-    assert [h.block_id for h in manager.held_blocks("b")] == [2, 4]  # 9..12 in its window
+    assert manager.block_ids("b") == [0, 0, 2, 4]
+    assert [h.block_id for h in manager.held_blocks("b")] == [2, 4]
     assert free_order(manager) == [5, 1, 0]
     manager.check_invariants()
 
-    # Another prompt takes the free blocks from the front, reusing block 1 (not 0): a hit
-    # on the first prompt now stops before it.
+    # Another prompt takes the free blocks from the front, reusing block 1 (not 0). The
+    # first prompt still hits whole, as its window needs block 2 only; its first 9 tokens
+    # (a hit of two blocks would need block 1 for its window) hit one block.
     c = make_request("c", list(range(200, 205)))
     assert admit(manager, c) == [5, 1]
     d = make_request("d", prompt)
     hits, num_hit = manager.get_computed_blocks(d)
-    assert [h.block_id for h in hits] == [0] and num_hit == B
+    assert [h.block_id for h in hits] == [0, 0, 2] and num_hit == 12
+    e = make_request("e", prompt[:9])
+    hits, num_hit = manager.get_computed_blocks(e)
+    assert hits == [manager.pool.blocks[0]] and num_hit == B
     manager.check_invariants()
 
 
