@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.kv_cache.groups import KVCacheGroups
 from engine.lora.request import LoRAConfig, parse_lora_modules
 from engine.models.arch import ModelArch
 from engine.models.hf_config import (
@@ -389,6 +390,9 @@ class CacheConfig:
     block_size: int
     num_blocks: int
     enable_prefix_caching: bool = True
+    # A hybrid model's KV cache groups (engine/kv_cache/groups.py); None: one group, a
+    # K/V pair per layer.
+    groups: KVCacheGroups | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -418,8 +422,9 @@ class EngineConfig:
         facts = ", ".join(f"{name} {value}" for name, value in self.facts())
         task = " (embeddings)" if self.model.pooler is not None else ""
         return (
-            f"{self.model.name}{task}: {facts}, {c.num_blocks} KV blocks of {c.block_size} tokens, "
-            f"max_model_len {s.max_model_len}, step budget {s.max_num_batched_tokens} tokens"
+            f"{self.model.name}{task}: {facts}, {c.num_blocks} KV blocks of {c.block_size} tokens"
+            + ("" if c.groups is None else f" in {c.groups.describe()}")
+            + f", max_model_len {s.max_model_len}, step budget {s.max_num_batched_tokens} tokens"
             + s.describe_prefill_limits()
             + ("" if self.speculative is None else f", speculative {self.speculative.describe()}")
             + ("" if self.lora is None else f", LoRA: {self.lora.max_loras} at once")

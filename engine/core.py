@@ -111,6 +111,7 @@ class EngineCore:
             args.block_size,
             worker.num_kv_blocks(args, scheduler_config),
             args.enable_prefix_caching,
+            worker.kv_cache_groups(),
         )
         speculative = parse_speculative_config(args.speculative_config)
         config = EngineConfig(
@@ -129,12 +130,14 @@ class EngineCore:
             from engine.kv_events.stream import KVEventStream
 
             kv_events = KVEventStream(events_config, cache_config.block_size)
+        groups = cache_config.groups
         kv_manager = KVCacheManager(
             cache_config.num_blocks,
             cache_config.block_size,
             cache_config.enable_prefix_caching,
             kv_events.recorder if kv_events is not None else None,
-            model_config.arch.kv_window,
+            model_config.arch.kv_window if groups is None else None,
+            None if groups is None else groups.windows,
         )
         tokenizer = load_tokenizer(model_config)
         if worker.draft_config is not None:

@@ -16,8 +16,10 @@ import torch
 
 from engine.attention.backend import AttentionBackend, BackendChoice
 from engine.attention.flashinfer_backend import FlashInferAttentionBackend, select_gpu_backend
+from engine.attention.grouped import GroupedAttentionBackend
 from engine.attention.native_backend import NativeCpuAttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
+from engine.kv_cache.groups import KVCacheGroups
 from engine.ops.loader import native_kernels
 
 BACKENDS = ("auto", "torch", "cpu-native", "flashinfer")
@@ -68,10 +70,20 @@ def create_backend(
     scale: float,
     windows: Sequence[int | None] = (),
     sinks: Sequence[torch.Tensor] = (),
+    groups: KVCacheGroups | None = None,
 ) -> AttentionBackend:
     """`windows`: each layer's sliding window in tokens (None: none); empty: no layer has
     one. `sinks`: each layer's attention sinks (num_heads,), which flashinfer does not
-    implement; empty: none."""
+    implement; empty: none. With a hybrid model's KV cache `groups`, the cache holds one
+    K/V pair a slot, and a backend per group runs over it (grouped.py)."""
+    if groups is not None and groups.hybrid:
+        return GroupedAttentionBackend(
+            groups,
+            lambda slot_windows, slot_sinks: create_backend(
+                name, kv_cache, num_heads, scale, slot_windows, slot_sinks
+            ),
+            sinks,
+        )
     resolved = resolve_backend(name, kv_cache.device, kv_cache.dtype, bool(sinks)).name
     if resolved == "flashinfer":
         return FlashInferAttentionBackend(kv_cache, num_heads, scale, windows=windows)

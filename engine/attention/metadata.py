@@ -73,6 +73,9 @@ class AttentionMetadata:
     kv_indptr: torch.Tensor  # (num_reqs + 1,) int32
     kv_indices: torch.Tensor  # (kv_indptr[-1],) int32
     kv_last_page_len: torch.Tensor  # (num_reqs,) int32
+    # A hybrid model's KV cache groups after the first (engine/kv_cache/groups.py): the
+    # same step over each group's block tables. This one is group 0's.
+    groups: tuple[AttentionMetadata, ...] = ()
 
     @property
     def block_size(self) -> int:
@@ -209,7 +212,15 @@ def upload(host: StepMetadata, device: torch.device | str = "cpu") -> AttentionM
     tensors = host_tensors(host)
     if torch.device(device).type != "cpu":
         tensors = [t.to(device) for t in tensors]
-    return AttentionMetadata(host, *tensors)
+    return device_metadata(host, tensors)
+
+
+def device_metadata(host: StepMetadata, tensors: Sequence[torch.Tensor]) -> AttentionMetadata:
+    """AttentionMetadata from `host` and its device fields, in DEVICE_FIELDS' order."""
+    positions, slot_mapping, qo_indptr, kv_indptr, kv_indices, kv_last_page_len = tensors
+    return AttentionMetadata(
+        host, positions, slot_mapping, qo_indptr, kv_indptr, kv_indices, kv_last_page_len
+    )
 
 
 def build_attention_metadata(

@@ -26,6 +26,10 @@ class ScheduledRequest:
     new_table: bool = False
     # Speculative decoding: draft tokens scheduled after the request's known tokens.
     spec_token_ids: tuple[int, ...] = ()
+    # A hybrid model's KV cache groups after the first (engine/kv_cache/groups.py): each
+    # group's block ids, as `block_ids` are group 0's. Empty for a one-group model, and
+    # where no group got a block this step.
+    group_block_ids: tuple[list[int], ...] = ()
 
     @property
     def request_id(self) -> str:

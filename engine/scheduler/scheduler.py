@@ -7,7 +7,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from engine.config import SchedulerConfig
-from engine.kv_cache import KVCacheBlock, KVCacheManager
+from engine.kv_cache import KVCacheBlock, KVCacheManager, other_group_ids
 from engine.outputs import Logprobs
 from engine.request import Request, RequestStatus, check_prompt_length
 from engine.scheduler.output import (
@@ -136,7 +136,8 @@ class Scheduler:
             else:
                 slots.decoding = True
             block_ids = [b.block_id for b in new_blocks]
-            scheduled.append(self._scheduled(request, num_new, block_ids))
+            groups = other_group_ids(new_blocks)
+            scheduled.append(self._scheduled(request, num_new, block_ids, group_block_ids=groups))
             done.add(request.request_id)
             budget -= num_new
         return budget, preempted
@@ -216,7 +217,11 @@ class Scheduler:
 
     @staticmethod
     def _scheduled(
-        request: Request, num_new: int, block_ids: list[int], new_table: bool = False
+        request: Request,
+        num_new: int,
+        block_ids: list[int],
+        new_table: bool = False,
+        group_block_ids: tuple[list[int], ...] = (),
     ) -> ScheduledRequest:
         """The step's entry for `request`, with the drafts that fit (speculative decoding);
         advances its computed tokens, and counts the token it samples (it reaches the end
@@ -226,7 +231,13 @@ class Scheduler:
         drafts = tuple(request.spec_token_ids[:num_drafts])
         request.spec_token_ids = []
         entry = ScheduledRequest(
-            request, num_new, request.num_computed_tokens, block_ids, new_table, drafts
+            request,
+            num_new,
+            request.num_computed_tokens,
+            block_ids,
+            new_table,
+            drafts,
+            group_block_ids,
         )
         request.num_computed_tokens += num_new
         if request.num_computed_tokens >= end and request.pooling_params is None:
@@ -276,7 +287,8 @@ class Scheduler:
             request.first_scheduled_time = time.monotonic()
         self.running.append(request)
         block_ids = self.kv_cache.block_ids(request.request_id)
-        return self._scheduled(request, num_new, block_ids, new_table=True)
+        groups = self.kv_cache.other_group_block_ids(request.request_id)
+        return self._scheduled(request, num_new, block_ids, True, groups)
 
     def _preempt(self, request: Request) -> None:
         """Recompute-style preemption: frees the victim's blocks; it resumes first."""

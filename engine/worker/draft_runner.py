@@ -124,10 +124,12 @@ def paged_kv_cache(
     scratch_blocks: int,
 ) -> tuple[torch.Tensor, AttentionBackend]:
     """A model's paged KV cache, in the model's dtype and on its device, with
-    `scratch_blocks` beyond cache_config.num_blocks, and the attention backend over it."""
+    `scratch_blocks` beyond cache_config.num_blocks, and the attention backend over it. A
+    hybrid model's KV cache groups (cache_config.groups) hold one K/V pair a slot."""
     param = next(model.parameters())
+    groups = cache_config.groups
     kv_cache = allocate_kv_cache(
-        arch.num_layers,
+        arch.num_layers if groups is None else groups.num_slots,
         cache_config.num_blocks + scratch_blocks,
         cache_config.block_size,
         arch.num_kv_heads,
@@ -142,5 +144,6 @@ def paged_kv_cache(
         arch.attention_scale,
         arch.layer_windows,
         model.layer_sinks(),
+        groups,
     )
     return kv_cache, backend

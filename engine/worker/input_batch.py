@@ -23,6 +23,8 @@ class CachedRequestState:
     block_ids: list[int]
     # EOS (unless ignore_eos) plus the request's stop_token_ids: masked below min_tokens.
     stop_token_ids: tuple[int, ...]
+    # A hybrid model's other KV cache groups' tables (engine/kv_cache/groups.py).
+    group_block_ids: list[list[int]]
 
     def sampling_row(self) -> SamplingRow:
         r = self.request
@@ -55,6 +57,10 @@ class StepBatch:
     def block_ids(self) -> list[list[int]]:
         return [state.block_ids for state in self.requests]
 
+    def group_block_ids(self, group: int) -> list[list[int]]:
+        """The requests' tables in KV cache group `group` (1 on: 0's are `block_ids`)."""
+        return [state.group_block_ids[group - 1] for state in self.requests]
+
 
 class InputBatch:
     """The runner's requests by id; changed only by `update`."""
@@ -74,10 +80,12 @@ class InputBatch:
         offset = 0
         for row, entry in enumerate(scheduler_output.scheduled):
             if entry.new_table:
-                state = self._create(entry.request, entry.block_ids)
+                state = self._create(entry.request, entry.block_ids, entry.group_block_ids)
             else:
                 state = self.requests[entry.request_id]
                 state.block_ids.extend(entry.block_ids)
+                for table, ids in zip(state.group_block_ids, entry.group_block_ids, strict=False):
+                    table.extend(ids)
             request = state.request
             start, end = entry.num_computed_tokens, entry.num_computed_tokens + entry.num_new_tokens
             states.append(state)
@@ -102,9 +110,12 @@ class InputBatch:
             states, input_ids, computed, new, sample_rows, prompt_rows, placeholders, num_drafts
         )
 
-    def _create(self, request: Request, block_ids: list[int]) -> CachedRequestState:
+    def _create(
+        self, request: Request, block_ids: list[int], group_block_ids: tuple[list[int], ...]
+    ) -> CachedRequestState:
         params = request.sampling_params
         stops = params.stop_token_ids + (() if params.ignore_eos else self.eos_token_ids)
-        state = CachedRequestState(request, list(block_ids), stops)
+        groups = [list(ids) for ids in group_block_ids]
+        state = CachedRequestState(request, list(block_ids), stops, groups)
         self.requests[request.request_id] = state
         return state

@@ -10,6 +10,7 @@ may replay a CUDA graph (its metadata then covers the padded batch).
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ from engine.attention.metadata import (
     AttentionMetadata,
     StepMetadata,
     build_step_metadata,
+    device_metadata,
     host_tensors,
     upload,
 )
@@ -159,6 +161,7 @@ class ModelRunner:
         self.lora = lora
         self.drafter = drafter
         self.block_size = cache_config.block_size
+        self.num_kv_groups = 1 if cache_config.groups is None else cache_config.groups.num_groups
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         scratch_blocks = 0 if cuda_graphs is None else 1
@@ -245,6 +248,8 @@ class ModelRunner:
                 # The last step's host buffers (ours and FlashInfer's plan) are reused now.
                 self._inputs_sent.synchronize()
             md, ids = self._upload(host, input_ids)
+            if self.num_kv_groups > 1:  # a hybrid model's other groups: on the CPU only
+                md = dataclasses.replace(md, groups=self._group_metadata(batch))
             if batch.placeholders:
                 self._fill_placeholders(ids, batch.placeholders)
             if self.graphs is not None and graph_size is not None:
@@ -260,6 +265,15 @@ class ModelRunner:
             else:
                 hidden = self.model(ids, md.positions, self.backend)
         return hidden, host
+
+    def _group_metadata(self, batch: StepBatch) -> tuple[AttentionMetadata, ...]:
+        """The step's metadata over each KV cache group's tables after group 0's (the
+        worker makes groups only where the cache is on the CPU: views, no copies)."""
+        computed, new = batch.num_computed, batch.num_new
+        return tuple(
+            upload(build_step_metadata(computed, new, batch.group_block_ids(g), self.block_size))
+            for g in range(1, self.num_kv_groups)
+        )
 
     def _fill_placeholders(self, ids: torch.Tensor, placeholders: list[tuple[int, str]]) -> None:
         """Writes into `ids`, at each placeholder's position, the token the last step
@@ -286,7 +300,7 @@ class ModelRunner:
         if self.pinned is None:
             return upload(host), ids
         ids, *fields = self.pinned.to_device(ids, *host_tensors(host))
-        return AttentionMetadata(host, *fields), ids
+        return device_metadata(host, fields), ids
 
     def _sample(self, hidden: torch.Tensor, host: StepMetadata, batch: StepBatch) -> PendingOutput:
         live = [r for r in batch.sample_rows if not batch.requests[r].request.is_finished]

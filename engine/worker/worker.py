@@ -26,6 +26,7 @@ from engine.config import (
     runtime_facts,
 )
 from engine.cpu_share import cpu_limit, own_cgroup_cpu_dir
+from engine.kv_cache.groups import KVCacheGroups, blocks_for_one_request
 from engine.models.arch import ModelArch
 from engine.models.layers import TILED_BF16_ISAS
 from engine.models.llama import DecoderModel
@@ -260,6 +261,23 @@ class Worker:
         logger.info("tensor parallel: %d ranks, this process holds shard 0", size)
         return model
 
+    def kv_cache_groups(self) -> KVCacheGroups | None:
+        """The KV cache groups of a hybrid model (sliding layers beside full ones), which
+        free the sliding layers' blocks out of their window (engine/kv_cache/groups.py);
+        None for a model whose layers attend alike, and where the runner keeps one table
+        for all: on a GPU (FlashInfer's plans and the CUDA graphs take one) and with tensor
+        parallelism (its workers get one table a step)."""
+        groups = KVCacheGroups.for_layers(self.arch.layer_windows)
+        if not groups.hybrid:
+            return None
+        if self.device.type != "cpu" or self.tp_group is not None:
+            logger.info(
+                "KV cache: one block table for the sliding and the full layers (hybrid "
+                "groups run on one CPU rank): the sliding layers keep their whole history"
+            )
+            return None
+        return groups
+
     @property
     def _graph_scratch_blocks(self) -> int:
         """CUDA graphs' padding rows write one scratch block the KV manager never sees."""
@@ -292,6 +310,8 @@ class Worker:
         return kv_blocks_for_budget(
             args,
             archs,
+            self.kv_cache_groups(),
+            scheduler.max_num_batched_tokens,
             self.dtype,
             scheduler.max_model_len,
             self._graph_scratch_blocks,
@@ -374,20 +394,30 @@ def resolve_draft_config(
 def kv_blocks_for_budget(
     args: EngineArgs,
     archs: Sequence[ModelArch],
+    groups: KVCacheGroups | None,
+    max_chunk: int,
     dtype: torch.dtype,
     max_model_len: int,
     reserved_blocks: int,
     gpu_profile: Callable[[], MemoryProfile] | None,
 ) -> int:
-    """The number of KV blocks the scheduler may hand out (see Worker.num_kv_blocks)."""
+    """The number of KV blocks the scheduler may hand out (see Worker.num_kv_blocks). With
+    hybrid `groups`, the first arch's block holds one K/V pair a slot, not a layer, and a
+    request holds blocks in every group."""
     needed = cdiv(max_model_len, args.block_size)
+    if groups is not None:
+        needed = blocks_for_one_request(groups.windows, args.block_size, max_model_len, max_chunk)
     if args.num_kv_blocks is not None:
         return args.num_kv_blocks
     per_block = sum(
         kv_cache_bytes_per_block(
-            arch.num_layers, args.block_size, arch.num_kv_heads, arch.head_dim, dtype
+            arch.num_layers if groups is None or i else groups.num_slots,
+            args.block_size,
+            arch.num_kv_heads,
+            arch.head_dim,
+            dtype,
         )
-        for arch in archs
+        for i, arch in enumerate(archs)
     )
     if args.kv_cache_memory is not None:
         fits = args.kv_cache_memory // per_block - reserved_blocks

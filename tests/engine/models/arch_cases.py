@@ -7,7 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import SamplingParams
+from engine import EngineArgs, SamplingParams
+from engine.config import resolve_model_config
+from engine.kv_cache.groups import KVCacheGroups, blocks_for_one_request
 from tests.engine.test_correctness import engine_tokens, hf_greedy, make_prompts, tiny_llm
 from tests.tiny_models import make_tiny_model
 
@@ -52,6 +54,19 @@ def check_mode(case: ArchCase, mode: str) -> None:
         assert all(o.num_cached_tokens == 32 for o in outputs)
     else:
         assert mode == "preemption"
-        llm = tiny_llm(case.path, num_kv_blocks=6, max_model_len=96)
+        llm = tiny_llm(case.path, max_model_len=96, **smallest_cache(case.path, 96))
         assert engine_tokens(llm, case.prompts, PARAMS) == case.reference
         assert llm.core.scheduler.total_preemptions > 0
+
+
+def smallest_cache(path: Path, max_model_len: int) -> dict[str, int]:
+    """tiny_llm's options for the smallest cache one request of max_model_len fits: 6
+    blocks of 16, or for a hybrid model (KV cache groups: sliding layers beside full ones)
+    a block table's worth in the full groups and a window's in the sliding ones, with
+    chunks of a block."""
+    arch = resolve_model_config(EngineArgs(model=str(path))).arch
+    groups = KVCacheGroups.for_layers(arch.layer_windows)
+    if not groups.hybrid:
+        return {"num_kv_blocks": -(-max_model_len // 16)}
+    blocks = blocks_for_one_request(groups.windows, 16, max_model_len, 16)
+    return {"num_kv_blocks": blocks, "max_num_batched_tokens": 16}

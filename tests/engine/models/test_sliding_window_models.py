@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import EngineArgs, SamplingParams
-from engine.config import resolve_model_config
+from engine import SamplingParams
 from engine.models.arch import ModelArch
 from engine.models.gemma3 import Gemma3Model
 from engine.models.loader import load_model
@@ -94,13 +93,37 @@ def test_blocks_out_of_the_window_are_freed_during_a_long_decode(tmp_path: Path)
     assert output.num_cached_tokens == 28  # the prompt's 7 full blocks
 
 
-def test_a_hybrid_model_keeps_every_block(tmp_path: Path) -> None:
-    """Gemma 3's global layer sees every token: its cache must hold a whole sequence."""
+def test_a_hybrid_model_frees_its_sliding_layers_blocks(tmp_path: Path) -> None:
+    """Gemma 3's sliding layers and its global one have KV cache groups of their own (one
+    layer a block here), and the sliding groups give back the blocks out of their window.
+    Two requests of 70 tokens (18 blocks of 4) run at once, without preemption, in 60
+    blocks: one table for all three layers would need 3 * 36, and with the memory of 60
+    single-layer blocks would hold 20 blocks of three layers. A prompt that hits the prefix
+    cache (the global layer's blocks, and the sliding layers' blocks in its window)
+    continues as transformers does."""
     path = make_tiny_model("gemma3", tmp_path)
-    config = resolve_model_config(EngineArgs(model=str(path), max_model_len=128))
-    assert config.arch.kv_window is None
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompts = make_prompts(9, [30, 30])
+    again = prompts[0] + make_prompts(10, [5])[0]
+    reference = hf_greedy(path, [*prompts, again], params.max_tokens)
+
+    small = dict(block_size=4, max_num_batched_tokens=16, max_model_len=128)
+    llm = tiny_llm(path, num_kv_blocks=60, **small)
+    groups = llm.core.config.cache.groups
+    assert groups is not None and groups.windows == (None, 12, 12)
+    assert engine_tokens(llm, prompts, params) == reference[:2]
+    assert llm.core.scheduler.total_preemptions == 0
+
+    # A cache large enough to keep what the first request freed: the hit covers its
+    # prompt's 7 full blocks, of which the sliding groups hold the 3 in the window of
+    # position 28 (17..28) and skip the first 4.
+    llm = tiny_llm(path, num_kv_blocks=200, **small)
+    assert engine_tokens(llm, prompts[:1], params) == reference[:1]
+    [output] = llm.generate([again], params)
+    assert output.outputs[0].token_ids == reference[2]
+    assert output.num_cached_tokens == 28
     with pytest.raises(ValueError, match="one request could never fit"):
-        tiny_llm(path, block_size=4, num_kv_blocks=10, max_model_len=128)
+        tiny_llm(path, num_kv_blocks=47, **small)  # 32 + 2 * 8 to run 128 tokens
 
 
 def test_gemma3_refuses_what_it_does_not_run() -> None:

@@ -62,14 +62,14 @@ def test_worker_sizes_the_gpu_cache_from_the_profile(tmp_path: Path) -> None:
         return profile
 
     args = EngineArgs(gpu_memory_utilization=0.5, max_num_seqs=1000)
-    blocks = kv_blocks_for_budget(args, [arch], torch.bfloat16, 256, 1, gpu_profile)
+    blocks = kv_blocks_for_budget(args, [arch], None, 256, torch.bfloat16, 256, 1, gpu_profile)
     assert blocks == 500 - 1  # one block reserved for the CUDA graphs' padding
     assert calls == [1]
     # A full-length limit still caps it; an explicit count skips the profile.
     capped = kv_blocks_for_budget(
-        EngineArgs(max_num_seqs=2), [arch], torch.bfloat16, 256, 0, gpu_profile
+        EngineArgs(max_num_seqs=2), [arch], None, 256, torch.bfloat16, 256, 0, gpu_profile
     )
     assert capped == 2 * 16
     explicit = EngineArgs(num_kv_blocks=7)
-    assert kv_blocks_for_budget(explicit, [arch], torch.bfloat16, 64, 1, gpu_profile) == 7
+    assert kv_blocks_for_budget(explicit, [arch], None, 64, torch.bfloat16, 64, 1, gpu_profile) == 7
     assert calls == [1, 1]
