@@ -28,7 +28,7 @@ from engine.models.layers import (
     RotaryEmbedding,
 )
 from engine.models.lora_layers import LoRAStep
-from engine.models.moe import SparseMoE
+from engine.models.moe import SparseMoE, grouped_gemm_runs
 from engine.models.quantized import (
     DENSE_COPY_ROWS,
     QuantizedWeight,
@@ -184,6 +184,12 @@ class DecoderModel(nn.Module):
                 if dense_copy:
                     module.keep_dense_copy(dtype)
                 module.pack(tiled)
+        for block in self.layers:  # a GPU's sparse MLPs: grouped GEMMs where they run
+            mlp = getattr(block, "mlp", None)
+            if isinstance(mlp, SparseMoE) and grouped_gemm_runs(
+                self.norm.weight, self.arch.hidden_size, self.arch.moe_intermediate_size
+            ):
+                mlp.pack_grouped()
         head: torch.Tensor | None = self.embed_tokens if self.lm_head is None else self.lm_head
         if self.quantized_head is not None:
             head = dequantize(self.quantized_head, dtype) if dense_copy else None

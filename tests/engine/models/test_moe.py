@@ -126,3 +126,28 @@ def test_refuses_quantization(qwen3_moe: Path, method: str) -> None:
 def test_refuses_tensor_parallelism(qwen3_moe: Path) -> None:
     with pytest.raises(ValueError, match="cannot shard a mixture-of-experts model"):
         LLM(str(qwen3_moe), dtype="float32", tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_gemms_equal_the_expert_loop(dtype: torch.dtype) -> None:
+    """SparseMoE.grouped (a GPU's path in bfloat16: two torch._grouped_mm calls over the
+    stacked experts) against the loop over experts, on the CPU, where torch runs the same
+    op: 40 tokens, top-2 of 8 experts, some experts without a token."""
+    config = make_config("qwen3_moe")
+    config.update(dict(hidden_size=64, moe_intermediate_size=48, norm_topk_prob=True))
+    torch.manual_seed(0)
+    moe = SparseMoE(ModelArch.from_hf_config(config)).to(dtype)
+    for param in moe.parameters():
+        param.data.normal_(0, 0.2)
+    x = torch.randn(40, 64, dtype=dtype)
+    moe.gate.weight.data[2:5] -= 100.0  # experts 2-4 get no token
+    expected = moe.reference(x)
+    moe.pack_grouped()
+    assert moe.stacked is not None and moe.stacked[0].shape == (8, 96, 64)
+    # The experts' weights are views of the stacks: one copy of them.
+    first = moe.experts[3].down_proj.weight
+    assert first is not None and first.data_ptr() == moe.stacked[1][3].data_ptr()
+    grouped = moe(x)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(grouped, expected, rtol=tolerance, atol=tolerance)
+    assert moe.reference(x).equal(expected)  # the loop is unchanged on the views
