@@ -100,6 +100,12 @@ class EngineArgs:
     )
     gpu_memory_utilization: float = _arg(0.9, "share of GPU memory for the engine")
     enable_prefix_caching: bool = _arg(True, "automatic prefix caching")
+    disable_hybrid_kv_cache_manager: bool = _arg(
+        False,
+        "give a model with sliding-window layers beside full ones (Gemma 3, gpt-oss) one "
+        "block table for all its layers, as vLLM's flag: the sliding layers then keep their "
+        "whole history (by default they free what leaves their window, on the CPU)",
+    )
     attention_backend: str = _arg(
         "auto", "paged attention implementation", choices=ATTENTION_BACKENDS
     )

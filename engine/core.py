@@ -111,7 +111,7 @@ class EngineCore:
             args.block_size,
             worker.num_kv_blocks(args, scheduler_config),
             args.enable_prefix_caching,
-            worker.kv_cache_groups(),
+            worker.kv_cache_groups(args),
         )
         speculative = parse_speculative_config(args.speculative_config)
         config = EngineConfig(

@@ -261,14 +261,15 @@ class Worker:
         logger.info("tensor parallel: %d ranks, this process holds shard 0", size)
         return model
 
-    def kv_cache_groups(self) -> KVCacheGroups | None:
+    def kv_cache_groups(self, args: EngineArgs) -> KVCacheGroups | None:
         """The KV cache groups of a hybrid model (sliding layers beside full ones), which
         free the sliding layers' blocks out of their window (engine/kv_cache/groups.py);
         None for a model whose layers attend alike, and where the runner keeps one table
-        for all: on a GPU (FlashInfer's plans and the CUDA graphs take one) and with tensor
-        parallelism (its workers get one table a step)."""
+        for all: with --disable-hybrid-kv-cache-manager, on a GPU (FlashInfer's plans and
+        the CUDA graphs take one) and with tensor parallelism (its workers get one table a
+        step)."""
         groups = KVCacheGroups.for_layers(self.arch.layer_windows)
-        if not groups.hybrid:
+        if not groups.hybrid or args.disable_hybrid_kv_cache_manager:
             return None
         if self.device.type != "cpu" or self.tp_group is not None:
             logger.info(
@@ -310,7 +311,7 @@ class Worker:
         return kv_blocks_for_budget(
             args,
             archs,
-            self.kv_cache_groups(),
+            self.kv_cache_groups(args),
             scheduler.max_num_batched_tokens,
             self.dtype,
             scheduler.max_model_len,

@@ -125,6 +125,15 @@ def test_a_hybrid_model_frees_its_sliding_layers_blocks(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="one request could never fit"):
         tiny_llm(path, num_kv_blocks=47, **small)  # 32 + 2 * 8 to run 128 tokens
 
+    # With one table for all layers (vLLM's flag), the same memory holds 20 three-layer
+    # blocks, and the two requests preempt each other; their tokens stay the same.
+    llm = tiny_llm(path, num_kv_blocks=60, disable_hybrid_kv_cache_manager=True, **small)
+    assert llm.core.config.cache.groups is None
+    one_table = dict(small, max_model_len=80)  # 20 blocks: one request of 80 tokens
+    llm = tiny_llm(path, num_kv_blocks=20, disable_hybrid_kv_cache_manager=True, **one_table)
+    assert engine_tokens(llm, prompts, params) == reference[:2]
+    assert llm.core.scheduler.total_preemptions > 0
+
 
 def test_gemma3_refuses_what_it_does_not_run() -> None:
     config = make_config("gemma3")
