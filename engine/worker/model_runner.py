@@ -207,7 +207,7 @@ class ModelRunner:
             batch = self.input_batch.update(scheduler_output)
         if not batch.requests:
             return None
-        with self._threads():
+        with self._threads(len(batch.input_ids)):
             hidden, host = self._forward(batch)
         return ForwardStep(batch, hidden, host)
 
@@ -222,8 +222,9 @@ class ModelRunner:
                 return PendingOutput.ready(self._pool(step.hidden, step.host, step.batch))
             return self._sample(step.hidden, step.host, step.batch)
 
-    def _threads(self) -> Any:
-        return nullcontext() if self.threads is None else self.threads.step()
+    def _threads(self, num_tokens: int | None = None) -> Any:
+        """The step's CPU threads (StepThreads): a forward passes its token count."""
+        return nullcontext() if self.threads is None else self.threads.step(num_tokens)
 
     def _forward(self, batch: StepBatch) -> tuple[torch.Tensor, StepMetadata]:
         """Mutates the KV cache: runs the decoder on the step, through a graph if one fits

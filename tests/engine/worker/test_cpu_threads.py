@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.worker.cpu_threads import StepThreads
+from engine.worker.cpu_threads import EXPLORE_EVERY, WARMUP_STEPS, StepThreads
 
 
 def test_a_step_sets_its_threads_and_restores_the_callers() -> None:
@@ -24,6 +24,65 @@ def test_a_step_sets_its_threads_and_restores_the_callers() -> None:
         assert torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)
+
+
+class FakeSteps:
+    """Steps through a StepThreads on a fake clock: a step's forward and sampling take
+    `cost[threads]` seconds together (nine tenths and one)."""
+
+    def __init__(self, policy: StepThreads, clock: list[float]) -> None:
+        self.policy, self.clock = policy, clock
+
+    def run(self, num_tokens: int, cost: dict[int, float]) -> int:
+        with self.policy.step(num_tokens) as threads:
+            assert torch.get_num_threads() == threads
+            self.clock[0] += 0.9 * cost[threads]
+        with self.policy.step() as again:  # sampling: the step's count
+            assert again == threads
+            self.clock[0] += 0.1 * cost[threads]
+        return threads
+
+
+def fake_policy(max_threads: int = 2) -> FakeSteps:
+    clock = [0.0]
+    return FakeSteps(StepThreads(max_threads, clock=lambda: clock[0]), clock)
+
+
+def test_small_steps_run_on_the_count_measured_faster() -> None:
+    steps = fake_policy()
+    one_faster = {1: 0.004, 2: 0.010}  # a decode whose barriers cost more than a thread gives
+    counts = [steps.run(1, one_faster) for _ in range(2 * WARMUP_STEPS + 10)]
+    # Every thread first, then one, then the faster: one.
+    assert counts == [2] * WARMUP_STEPS + [1] * WARMUP_STEPS + [1] * 10
+    assert steps.policy.chosen(1) == 1
+    # Another size class measures for itself: 16 tokens are faster on two threads.
+    two_faster = {1: 0.029, 2: 0.023}
+    counts = [steps.run(16, two_faster) for _ in range(2 * WARMUP_STEPS + 10)]
+    assert counts[2 * WARMUP_STEPS :] == [2] * 10 and steps.policy.chosen(17) == 2
+    assert steps.policy.chosen(1) == 1  # (16-31 tokens are one class, 1 another)
+
+
+def test_the_choice_follows_the_load() -> None:
+    steps = fake_policy()
+    for _ in range(2 * WARMUP_STEPS):
+        steps.run(3, {1: 0.005, 2: 0.010})
+    # A neighbour slows one thread's steps down: its own measurements show it at once.
+    slowed = {1: 0.030, 2: 0.010}
+    counts = [steps.run(3, slowed) for _ in range(5)]
+    assert counts[0] == 1 and counts[-1] == 2
+    # It leaves: one step in EXPLORE_EVERY tries one thread again, and finds it faster.
+    quiet = {1: 0.005, 2: 0.010}
+    counts = [steps.run(3, quiet) for _ in range(2 * EXPLORE_EVERY)]
+    assert counts.count(1) >= EXPLORE_EVERY - 2 and counts[-1] == 1
+
+
+def test_large_steps_and_one_thread_are_never_measured() -> None:
+    steps = fake_policy()
+    assert [steps.run(128, {1: 0.001, 2: 0.1}) for _ in range(10)] == [2] * 10
+    assert steps.policy.chosen(500) == 2 and steps.policy._estimates == {}
+    single = fake_policy(max_threads=1)
+    assert [single.run(1, {1: 0.01}) for _ in range(10)] == [1] * 10
+    assert single.policy._estimates == {}
 
 
 def test_engine_steps_leave_the_callers_thread_count_alone(tmp_path) -> None:
