@@ -88,7 +88,9 @@ def start_core(
     # beside another), a default-model token took 1.2 s against 12 ms passive. Quiet, a
     # short spin is faster (single-stream ITL 7.7 against 9.2 ms with GOMP_SPINCOUNT=1000)
     # but doubled it beside such a neighbour (docs/benchmarks.md, "A shared or throttled
-    # CPU" and the OpenMP wait policy, again), so sleeping is the default.
+    # CPU" and the OpenMP wait policy, again), so sleeping is the default. What the wakes
+    # cost small steps, StepThreads wins back by running them on one thread where that
+    # measures faster (engine/worker/cpu_threads.py).
     # A GOMP_SPINCOUNT of the user's is a choice too: PASSIVE would make libgomp ignore it.
     if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
         env["OMP_WAIT_POLICY"] = OMP_WAIT_POLICY
