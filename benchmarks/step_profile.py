@@ -160,7 +160,7 @@ def main() -> None:
         runner.model.fused_layers = None
     annotate(runner.model, "forward", "forward")
     annotate(runner.model, "compute_logits", "lm_head")
-    annotate(runner, "sampler", "sampler")
+    annotate(runner.sampler, "sample_on_device", "sampler")
     annotate(llm._processor, "process_outputs", "output")
     annotate(llm.core, "step", "step")
     print(f"threads {torch.get_num_threads()}, layers {args.layers}, {args.quantization}")

@@ -15,9 +15,13 @@
 namespace pagedserve {
 namespace {
 
-// Rows per parallel task: at least this many elements, so small decode batches stay on
-// one thread instead of paying for a fork-join.
-constexpr int64_t kMinElementsPerTask = 1 << 15;
+// Rows per parallel task: at least this many elements, so that steps of up to a few
+// hundred tokens stay on one thread instead of paying for a fork-join: waking the other
+// threads (which sleep at barriers in the engine core) costs more than these rows take. On
+// a 2-core Zen 5 VM, 1 << 17 rather than 1 << 15 took a 64-stream step's norms, rotary and
+// SiLU from 16-18% of its time to 9%, and the step from 38.6-45.4 to 36.7-37.1 ms
+// (benchmarks/step_profile.py --workload throughput).
+constexpr int64_t kMinElementsPerTask = 1 << 17;
 
 // Runs rows(args, begin, end) over 0..num_rows on torch's thread pool.
 template <typename Args>
