@@ -232,10 +232,7 @@ class KVCacheManager:
         pool is left as it is."""
         self.prefix_cache.update_hashes(request)
         bound = self.prefix_cache.max_hit_blocks(request)
-        found = [
-            [self.prefix_cache.lookup(request, i, g) for i in range(bound)]
-            for g in range(self.num_groups)
-        ]
+        found = [self._lookup(request, bound, g) for g in range(self.num_groups)]
         # The longest hit every group serves: a group may shorten it, and a shorter hit may
         # lack a block another group's longer one did not need; until none shortens it.
         num_hit, settled = bound, False
@@ -251,6 +248,17 @@ class KVCacheManager:
             blocks = [SKIPPED] * skip + found[group][skip:num_hit]
             hits.append([b for b in blocks if b is not None])
         return (hits[0] if self.num_groups == 1 else GroupBlocks(hits)), num_hit * self.block_size
+
+    def _lookup(self, request: Request, bound: int, group: int) -> list[KVCacheBlock | None]:
+        """`group`'s cached block for each of the request's first `bound` blocks (None where
+        it has none). A full group's hit ends at its first miss: it looks no further."""
+        found: list[KVCacheBlock | None] = []
+        for i in range(bound):
+            block = self.prefix_cache.lookup(request, i, group)
+            if block is None and self.windows[group] is None:
+                return found + [None] * (bound - i)
+            found.append(block)
+        return found
 
     def _longest_hit(self, found: list[KVCacheBlock | None], window: int | None, bound: int) -> int:
         """The most leading blocks, up to `bound`, that a group with `window` can serve from
