@@ -107,11 +107,12 @@ class EngineCore:
         scheduler_config = resolve_scheduler_config(
             args, model_config, worker.device_config.device_type
         )
+        groups = worker.kv_cache_groups(args)
         cache_config = CacheConfig(
             args.block_size,
-            worker.num_kv_blocks(args, scheduler_config),
+            worker.num_kv_blocks(args, scheduler_config, groups),
             args.enable_prefix_caching,
-            worker.kv_cache_groups(args),
+            groups,
         )
         speculative = parse_speculative_config(args.speculative_config)
         config = EngineConfig(
@@ -130,7 +131,6 @@ class EngineCore:
             from engine.kv_events.stream import KVEventStream
 
             kv_events = KVEventStream(events_config, cache_config.block_size)
-        groups = cache_config.groups
         kv_manager = KVCacheManager(
             cache_config.num_blocks,
             cache_config.block_size,

@@ -284,11 +284,13 @@ class Worker:
         """CUDA graphs' padding rows write one scratch block the KV manager never sees."""
         return 1 if self.device_config.cuda_graph_sizes else 0
 
-    def num_kv_blocks(self, args: EngineArgs, scheduler: SchedulerConfig) -> int:
+    def num_kv_blocks(
+        self, args: EngineArgs, scheduler: SchedulerConfig, groups: KVCacheGroups | None
+    ) -> int:
         """Explicit count, else what the memory budget holds beside the scratch block; never
         fewer than one full-length request needs. On GPU without an explicit
         --kv-cache-memory, the budget comes from --gpu-memory-utilization after a profiling
-        step."""
+        step. A hybrid model's `groups` (kv_cache_groups) size its blocks and requests."""
         gpu_profile = None
         if self.device.type == "cuda":
 
@@ -311,7 +313,7 @@ class Worker:
         return kv_blocks_for_budget(
             args,
             archs,
-            self.kv_cache_groups(args),
+            groups,
             scheduler.max_num_batched_tokens,
             self.dtype,
             scheduler.max_model_len,
@@ -410,15 +412,13 @@ def kv_blocks_for_budget(
         needed = blocks_for_one_request(groups.windows, args.block_size, max_model_len, max_chunk)
     if args.num_kv_blocks is not None:
         return args.num_kv_blocks
+    # K/V pairs a block holds per model: a layer's each, or the target's slots with groups.
+    pairs = [arch.num_layers for arch in archs]
+    if groups is not None:
+        pairs[0] = groups.num_slots
     per_block = sum(
-        kv_cache_bytes_per_block(
-            arch.num_layers if groups is None or i else groups.num_slots,
-            args.block_size,
-            arch.num_kv_heads,
-            arch.head_dim,
-            dtype,
-        )
-        for i, arch in enumerate(archs)
+        kv_cache_bytes_per_block(n, args.block_size, arch.num_kv_heads, arch.head_dim, dtype)
+        for n, arch in zip(pairs, archs, strict=True)
     )
     if args.kv_cache_memory is not None:
         fits = args.kv_cache_memory // per_block - reserved_blocks
