@@ -182,14 +182,20 @@ class AttentionItem {
       start_states(pb_, it_, sp_, M_, s_, it_.kv_head + hl, hl * M_);
     }
     PageCursor cursor = cursor_for(pb_, sp_, it_.kv_head, keys_.begin);
-    Prefetcher<T> prefetcher{pb_.k_cache, pb_.v_cache, cursor, keys_.end,
-                             H_ * D_ * static_cast<int64_t>(sizeof(T)), keys_.begin};
-    prefetcher.advance_to(keys_.begin);
+    const int64_t row_bytes = H_ * D_ * static_cast<int64_t>(sizeof(T));
+    Prefetcher<T, 2> into_l2{pb_.k_cache, pb_.v_cache, cursor, keys_.end,
+                             row_bytes, keys_.begin, kPrefetchKeys};
+    Prefetcher<T, 3> into_l1{pb_.k_cache, pb_.v_cache, cursor, keys_.end,
+                             row_bytes, keys_.begin,
+                             it_.row_end - it_.row_begin <= kNearPrefetchRows ? kNearPrefetchKeys : 0};
+    into_l2.advance_to(keys_.begin);
+    into_l1.advance_to(keys_.begin);
     int64_t rows[kChunk];
     for (int64_t c = keys_.begin; c < keys_.end; c += kChunk) {
       const int n = static_cast<int>(std::min<int64_t>(kChunk, keys_.end - c));
       cursor.next_rows(n, rows);
-      prefetcher.advance_to(c + n);
+      into_l2.advance_to(c + n);
+      into_l1.advance_to(c + n);
       if (!raw_keys_) widen_rows(pb_.k_cache, rows, n, s_.k.data());
       for (int64_t hl = 0; hl < H_; ++hl) {
         if (raw_keys_) {
