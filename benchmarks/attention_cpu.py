@@ -15,7 +15,6 @@ Not a test: timings are never asserted.
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
 import time
 
@@ -75,7 +74,13 @@ def time_calls(backend: AttentionBackend, step: Step, calls: int, first: int) ->
 def isa_backend(kv_cache: torch.Tensor, args: argparse.Namespace, isa: str) -> AttentionBackend:
     """The cpu-native backend running one instruction set's kernels instead of the best."""
     backend = NativeCpuAttentionBackend(kv_cache, args.heads, args.head_dim**-0.5)
-    backend._kernel = functools.partial(torch.ops.pagedserve.paged_attention, isa=isa)
+    kernel = torch.ops.pagedserve.paged_attention
+
+    def run(out, q, k_cache, v_cache, *rest):  # rest: the metadata, scale, isa, window, sinks
+        *metadata, scale, _, window, sinks = rest
+        kernel(out, q, k_cache, v_cache, *metadata, scale, isa, window, sinks)
+
+    backend._kernel = run
     return backend
 
 

@@ -42,8 +42,10 @@ WORKLOADS = {
     # Decode steps: the prompt's full blocks are in the prefix cache before the timed runs,
     # so the first step computes the last partial block (8 tokens) and the 63 others one.
     "decode": (1, 200, 0, 64, 1),
+    # The same at 16 streams (the quantized suite's "16 at once").
+    "decode-16": (16, 200, 0, 64, 16),
 }
-CACHED_PROMPTS = {"decode"}
+CACHED_PROMPTS = {"decode", "decode-16"}
 MATMUL = ("linear", "mm", "matmul", "quant")
 ATTENTION = ("attention", "paged", "cache")
 SECTIONS = ("forward", "lm_head", "sampler", "output", "step")
