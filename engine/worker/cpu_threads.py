@@ -13,8 +13,14 @@ import torch
 # measurement; larger ones (a prefill's chunk) run on every thread, where the arithmetic pays
 # for them.
 ADAPTIVE_CLASSES = 7
-# Each count is tried this many times for steps of a size before the faster one is chosen.
+# Each count is tried this many times for steps of a size before the faster one is chosen,
 WARMUP_STEPS = 3
+# unless its first step ran this much slower than the count warmed before it: then one
+# step is its warm-up. A 64-token prefill chunk beside 15 decodes took about 40 ms on two
+# threads and 57 on one (Q4_1, a 2-core Zen 5 VM): three such steps, each delaying 15
+# streams' next token, are 45 of the 3,800 inter-token gaps of issue 40's "16 at once"
+# run (1.2%), enough to reach its 99th percentile.
+SLOWER = 1.25
 # Then one step in this many of a size runs on the other count, to see whether it has
 # become the faster (a neighbour took a core, or left): rarely enough that those steps,
 # which may be slower, stay out of the 99th percentile of the inter-token latency.
@@ -53,7 +59,8 @@ class StepThreads:
     steps of up to 127 tokens, in size classes of powers of two, each count's step time is
     measured (forward and sampling) and the faster chosen: the chosen count's average
     follows every step it runs, and one step in EXPLORE_EVERY tries the other, whose time
-    then replaces that count's average. Larger steps run on every thread.
+    then replaces that count's average. A count whose first step is SLOWER than the other's
+    warm-up stops its own warm-up there. Larger steps run on every thread.
 
     The count is set for the duration of a step, on the thread that runs it, and the
     previous count is restored afterwards: with torch's OpenMP backend the setting belongs
@@ -104,10 +111,24 @@ class StepThreads:
         """The count steps of `num_tokens` tokens run on once measured, None before."""
         size = _size_class(num_tokens)
         counts = self._counts(size)
-        estimates = [self._estimates.get((size, c), _Estimate()) for c in counts]
-        if any(e.samples < WARMUP_STEPS for e in estimates):
+        if not all(self._warm(size, c) for c in counts):
             return None if len(counts) > 1 else counts[0]
+        estimates = [self._estimates[size, c] for c in counts]
         return min(zip(estimates, counts, strict=True), key=lambda ec: ec[0].seconds)[1]
+
+    def _warm(self, size: int, count: int) -> bool:
+        """Whether `count` has run enough steps of size class `size` to be compared:
+        WARMUP_STEPS, or one SLOWER than a count warmed already."""
+        estimate = self._estimates.get((size, count), _Estimate())
+        if estimate.samples >= WARMUP_STEPS:
+            return True
+        if not estimate.samples:
+            return False
+        return any(
+            other.samples >= WARMUP_STEPS and estimate.seconds > SLOWER * other.seconds
+            for c in self._counts(size)
+            if c != count and (other := self._estimates.get((size, c), _Estimate()))
+        )
 
     def _counts(self, size: int) -> tuple[int, ...]:
         """The thread counts steps of size class `size` choose from."""
@@ -119,7 +140,7 @@ class StepThreads:
         size = _size_class(num_tokens)
         counts = self._counts(size)
         for count in counts:  # every thread first, as without measurements
-            if self._estimates.get((size, count), _Estimate()).samples < WARMUP_STEPS:
+            if not self._warm(size, count):
                 return size, count
         best = self.chosen(num_tokens)
         assert best is not None

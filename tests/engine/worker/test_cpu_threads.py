@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.worker.cpu_threads import EXPLORE_EVERY, WARMUP_STEPS, StepThreads
+from engine.worker.cpu_threads import EXPLORE_EVERY, SLOWER, WARMUP_STEPS, StepThreads
 
 
 def test_a_step_sets_its_threads_and_restores_the_callers() -> None:
@@ -60,6 +60,24 @@ def test_small_steps_run_on_the_count_measured_faster() -> None:
     counts = [steps.run(16, two_faster) for _ in range(2 * WARMUP_STEPS + 10)]
     assert counts[2 * WARMUP_STEPS :] == [2] * 10 and steps.policy.chosen(17) == 2
     assert steps.policy.chosen(1) == 1  # (16-31 tokens are one class, 1 another)
+
+
+def test_a_count_much_slower_at_once_warms_up_for_one_step() -> None:
+    # A prefill chunk beside decodes: one thread takes twice as long. Its first step shows
+    # it, and the rest of its warm-up (steps in the inter-token latency's tail) is skipped.
+    steps = fake_policy()
+    half_speed = {1: 0.080, 2: 0.040}
+    counts = [steps.run(79, half_speed) for _ in range(WARMUP_STEPS + 10)]
+    assert counts == [2] * WARMUP_STEPS + [1] + [2] * 9
+    assert steps.policy.chosen(79) == 2
+    # Within SLOWER of the other, a count warms up in full: one step is too few to tell.
+    close = {1: 0.040 * SLOWER * 0.95, 2: 0.040}
+    counts = [steps.run(40, close) for _ in range(2 * WARMUP_STEPS + 1)]
+    assert counts == [2] * WARMUP_STEPS + [1] * WARMUP_STEPS + [2]
+    # The faster count is never cut short: one thread, 2.5x faster, warms up in full, then wins.
+    one_faster = {1: 0.004, 2: 0.010}
+    counts = [steps.run(1, one_faster) for _ in range(2 * WARMUP_STEPS + 1)]
+    assert counts == [2] * WARMUP_STEPS + [1] * WARMUP_STEPS + [1]
 
 
 def test_the_choice_follows_the_load() -> None:
