@@ -185,9 +185,9 @@ class AttentionItem {
     const int64_t row_bytes = H_ * D_ * static_cast<int64_t>(sizeof(T));
     Prefetcher<T, 2> into_l2{pb_.k_cache, pb_.v_cache, cursor, keys_.end,
                              row_bytes, keys_.begin, kPrefetchKeys};
+    const bool decode = it_.row_end - it_.row_begin <= kNearPrefetchRows;
     Prefetcher<T, 3> into_l1{pb_.k_cache, pb_.v_cache, cursor, keys_.end,
-                             row_bytes, keys_.begin,
-                             it_.row_end - it_.row_begin <= kNearPrefetchRows ? kNearPrefetchKeys : 0};
+                             row_bytes, keys_.begin, decode ? kNearPrefetchKeys : 0};
     into_l2.advance_to(keys_.begin);
     into_l1.advance_to(keys_.begin);
     int64_t rows[kChunk];
