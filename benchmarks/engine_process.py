@@ -19,7 +19,10 @@ default model's tokenizer, in bfloat16. In one run, one after the other:
 
 each serving 256 streamed requests at concurrency 128, ~40 tokens in and 128 out
 (serve_bench.py). Then one stream on the default model (200 in, 64 out), in-process and
-core-process, for single-stream ITL. Prints a table and writes <out>.json.
+core-process, for single-stream ITL. Prints a table and writes <out>.json. Each run's CPU
+seconds (the offline engine's; each server process's and the load generator's) show where
+the machine's time went: on a 2-core machine the offline engine, the served frontend and the
+load generator together set the served rate.
 
 On a GPU host (the README's H100/H200 run: SmolLM2-135M's shapes with random weights from
 random_model.py, 512 requests at concurrency 128, 200 in and 128 out, bfloat16):
@@ -77,11 +80,12 @@ llm = LLM(model=args["model"], dtype="bfloat16", max_num_seqs=args["max_num_seqs
           **args["options"])
 params = SamplingParams(temperature=0.0, max_tokens=args["output_len"], ignore_eos=True)
 llm.generate(prompts[:8], params)  # warm-up
-start = time.perf_counter()
+start, cpu = time.perf_counter(), time.process_time()
 outputs = llm.generate(prompts, params)
-wall = time.perf_counter() - start
+wall, cpu = time.perf_counter() - start, time.process_time() - cpu
 tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-print(json.dumps({"output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall}))
+print(json.dumps({"output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
+                  "cpu_s": cpu}))
 """
 
 
@@ -239,18 +243,25 @@ def main() -> None:
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2))
     rounds = range(1, args.offline_rounds + 1)
     for kind in offline_kinds:
-        rates = [host_bound[f"{kind} #{i}"]["output_tokens_per_s"] for i in rounds]
-        print(f"{kind}: {' and '.join(f'{r:.0f}' for r in rates)} tok/s")
+        runs = [host_bound[f"{kind} #{i}"] for i in rounds]
+        rates = " and ".join(f"{r['output_tokens_per_s']:.0f}" for r in runs)
+        seconds = " and ".join(f"{r['cpu_s']:.2f}" for r in runs)
+        print(f"{kind}: {rates} tok/s, {seconds} CPU s")
     # Served rates are shares of the first offline kind's (the default engine's) mean.
     rates = [host_bound[f"{offline_kinds[0]} #{i}"]["output_tokens_per_s"] for i in rounds]
     rate = sum(rates) / len(rates)
+    # Served, the server and the load generator share the machine's CPUs: their CPU seconds
+    # against the CPUs' wall time show whether the machine, not the server, set the rate.
+    cpus = len(os.sched_getaffinity(0))
     for name in names:
         s = host_bound[name]
+        used = sum(s["cpu_s"]["server processes"]) + s["cpu_s"]["load generator"]
         print(
             f"served, {name:22s} {s['output_tokens_per_s']:5.0f} tok/s "
             f"({s['output_tokens_per_s'] / rate:.0%} of offline)  "
             f"ITL p50 {s['itl_p50_s'] * 1e3:.1f} ms  p99 {s['itl_p99_s'] * 1e3:.1f} ms  "
-            f"errors {s['errors']}  CPU s {s['cpu_s']}"
+            f"errors {s['errors']}  CPU s {s['cpu_s']}, "
+            f"{used / (cpus * s['wall_s']):.0%} of {cpus} CPUs"
         )
     for name, s in report.get("single_stream", {}).items():
         print(
