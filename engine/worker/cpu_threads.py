@@ -124,11 +124,12 @@ class StepThreads:
             return True
         if not estimate.samples:
             return False
-        return any(
-            other.samples >= WARMUP_STEPS and estimate.seconds > SLOWER * other.seconds
-            for c in self._counts(size)
-            if c != count and (other := self._estimates.get((size, c), _Estimate()))
-        )
+        for other_count in self._counts(size):
+            other = self._estimates.get((size, other_count), _Estimate())
+            warmed = other_count != count and other.samples >= WARMUP_STEPS
+            if warmed and estimate.seconds > SLOWER * other.seconds:
+                return True
+        return False
 
     def _counts(self, size: int) -> tuple[int, ...]:
         """The thread counts steps of size class `size` choose from."""
