@@ -80,6 +80,7 @@ def start_core(
         [CoreChannel(*pair, write) for pair, (_, write) in zip(addresses, pipes, strict=True)],
         logging_config,
         os.getpid(),
+        directory,
     )
     env = dict(os.environ)
     # OpenMP threads that wait at a step's barriers sleep rather than spin (unless the user

@@ -41,6 +41,7 @@ import logging.config
 import multiprocessing
 import os
 import pickle
+import shutil
 import signal
 import sys
 import threading
@@ -141,6 +142,9 @@ class CoreLaunch:
     # The starting frontend's pid. The core's own getppid() at startup would not do: a
     # frontend that exits while the core is still importing has reparented it already.
     parent: int
+    # The directory of the channels' sockets, which the starter made and removes; the core
+    # removes it when it outlives the starter (killed, or gone while the model loaded).
+    directory: str
 
 
 @dataclass(frozen=True)
@@ -355,10 +359,11 @@ def main() -> int:
         logging.basicConfig(level=logging.INFO)
     if os.getppid() != parent:
         logger.warning("engine core: the frontend had gone before the core started; exiting")
+        shutil.rmtree(launch.directory, ignore_errors=True)
         return 1
     loaded = threading.Event()
     threading.Thread(
-        target=_exit_with_parent, args=(parent, loaded), name="parent-watch", daemon=True
+        target=_exit_with_parent, args=(launch, loaded), name="parent-watch", daemon=True
     ).start()
     context = zmq.Context()
     try:
@@ -393,6 +398,8 @@ def main() -> int:
         for socket in outputs:
             socket.close()
         context.term()
+        if os.getppid() != parent:
+            shutil.rmtree(launch.directory, ignore_errors=True)
     return code
 
 
@@ -418,15 +425,16 @@ def _report(channels: list[CoreChannel], result: CoreReady | BaseException) -> N
             logger.warning("engine core: a frontend left before the model loaded")
 
 
-def _exit_with_parent(parent: int, loaded: threading.Event) -> None:
+def _exit_with_parent(launch: CoreLaunch, loaded: threading.Event) -> None:
     """While the model loads, ends the process (and the tensor-parallel workers it started)
     when the frontend has gone; once loaded, the loop sees it between steps and closes the
     core properly."""
     while not loaded.wait(0.2):
-        if os.getppid() != parent:
+        if os.getppid() != launch.parent:
             logger.warning("engine core: the frontend has gone while loading; exiting")
             for child in multiprocessing.active_children():
                 child.kill()
+            shutil.rmtree(launch.directory, ignore_errors=True)
             os._exit(1)
 
 

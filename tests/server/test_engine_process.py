@@ -155,17 +155,22 @@ def test_a_dead_core_ends_the_server(tiny_model_dir: Path, tmp_path: Path) -> No
     assert "the engine core process exited with code -9" in log.read_text()
 
 
-def test_a_dead_frontend_ends_the_core_and_its_workers(tiny_model_dir: Path) -> None:
-    env = {"PAGEDSERVE_TENSOR_PARALLEL_SIZE": "2"}
+def test_a_dead_frontend_ends_the_core_and_its_workers(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # The core's socket directory goes under TMPDIR: the core removes it as it exits.
+    env = {"PAGEDSERVE_TENSOR_PARALLEL_SIZE": "2", "TMPDIR": str(tmp_path)}
     with ServerProcess([str(tiny_model_dir), *TINY_ARGS], env=env) as server:
         assert server.proc is not None
         body = {"prompt": "t10 t11", "max_tokens": 4, "ignore_eos": True}
         assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
         under = descendants(server.proc.pid)
         assert len(under) >= 2  # the core, its tensor-parallel worker (and spawn's tracker)
+        assert len(list(tmp_path.glob("pagedserve-core-*"))) == 1
         server.proc.kill()
         server.proc.wait(timeout=30)
         assert wait_gone(under, timeout=30) == []
+    assert list(tmp_path.glob("pagedserve-core-*")) == []
 
 
 def test_a_frontend_gone_before_the_core_started_leaves_no_core(
@@ -173,7 +178,8 @@ def test_a_frontend_gone_before_the_core_started_leaves_no_core(
 ) -> None:
     """A frontend that exits at once (a SIGTERM while the model loads, as a rollout sends)
     may be gone while its core is still importing torch: the core, reparented before its
-    first look at its parent, must still see that it has gone, and exit."""
+    first look at its parent, must still see that it has gone, and exit, removing the
+    directory of its sockets, which the frontend had no time to remove."""
     script = (
         "import sys\n"
         "from engine import EngineArgs\n"
@@ -188,6 +194,7 @@ def test_a_frontend_gone_before_the_core_started_leaves_no_core(
     pid, directory = frontend.stdout.split()
     try:
         assert wait_gone([int(pid)], timeout=60) == []
+        assert not Path(directory).exists()
     finally:
         if alive(int(pid)):
             os.kill(int(pid), signal.SIGKILL)
