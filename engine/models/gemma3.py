@@ -91,6 +91,12 @@ class Gemma3Model(DecoderModel):
         assert residual is not None, "Gemma 3 has layers"
         return self.norm.add_forward(x, residual)[0]
 
+    def greedy_tokens(self, hidden: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+        # Soft-capping keeps the order but can make ties of logits that had none.
+        if self.arch.final_logit_softcapping is not None:
+            return None
+        return super().greedy_tokens(hidden, vocab_size)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)
         cap = self.arch.final_logit_softcapping

@@ -241,6 +241,18 @@ class DecoderModel(nn.Module):
             return self.norm(x)
         return self.norm.add_forward(x, residual)[0]
 
+    def greedy_tokens(self, hidden: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+        """(n,) each row's argmax over compute_logits' first `vocab_size` columns, without
+        the logits (n, vocab) and their float32 copy, where the head runs on the bfloat16
+        kernel; else None (compute_logits, then an argmax). The same tokens: the kernel
+        compares the bfloat16 logits that compute_logits would return."""
+        dense = self.dense_head
+        if dense is None or dense.tiled is None or dense.bias is not None or dense.lora is not None:
+            return None
+        if self.quantized_head is not None and len(hidden) <= DENSE_COPY_ROWS:
+            return None
+        return native_ops.bf16_linear_argmax(hidden, dense.tiled, dense.out_features, vocab_size)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(n, hidden_size) -> (n, vocab_size) float32 logits."""
         assert self.has_lm_head, "an embedding model computes no logits"

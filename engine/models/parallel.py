@@ -148,6 +148,9 @@ class TensorParallelDecoder(DecoderModel):
         dist.all_reduce(x, group=self.group)
         return x  # (num_tokens, hidden_size)
 
+    def greedy_tokens(self, hidden: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+        return None  # every rank's share of the logits meets on rank 0 (compute_logits)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Rank 0 gets the (n, vocab_size) logits; the others their own (n, V / N) share."""
         if self.before_logits is not None:

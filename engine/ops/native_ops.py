@@ -119,6 +119,16 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, n: int) -> torch.Tensor |
     return torch.ops.pagedserve.bf16_linear(x, weight, n)
 
 
+def bf16_linear_argmax(
+    x: torch.Tensor, weight: torch.Tensor, n: int, n_valid: int
+) -> torch.Tensor | None:
+    """Each row's argmax over the first `n_valid` columns of bf16_linear(x, weight, n), the
+    first on ties, without the (M, n) result; None where the native kernel cannot run."""
+    if x.device.type != "cpu" or x.dtype != torch.bfloat16 or not native_kernels().available:
+        return None
+    return torch.ops.pagedserve.bf16_linear_argmax(x, weight, n, n_valid)
+
+
 def quant_dequantize(
     weight: QuantArgs, rows: torch.Tensor | None, dtype: torch.dtype
 ) -> torch.Tensor | None:

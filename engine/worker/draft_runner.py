@@ -113,7 +113,10 @@ class DraftModelRunner:
         if not len(logit_rows):
             return []
         rows = hidden[torch.from_numpy(logit_rows).to(self.device)]
-        return argmax_rows(self.model.compute_logits(rows)[:, : self.vocab_size]).tolist()
+        tokens = self.model.greedy_tokens(rows, self.vocab_size)
+        if tokens is None:
+            tokens = argmax_rows(self.model.compute_logits(rows)[:, : self.vocab_size])
+        return tokens.tolist()
 
 
 def paged_kv_cache(

@@ -316,13 +316,24 @@ class ModelRunner:
                 verified[0], {}, prompt_logprobs, {}, verified[1], verified[2], drafted
             )
             return PendingOutput.ready(output)
-        with self.profiler.section("logits"):
-            logits = self.model.compute_logits(self._last_hidden(hidden, host, rows))
-        with self.profiler.section("grammar"):
-            self.grammar_bitmask.apply_to(logits, [s.request for s in states])
+        sampling_rows = [s.sampling_row() for s in states]
+        last_hidden = self._last_hidden(hidden, host, rows)
+        greedy: torch.Tensor | None = None
+        if self.sampler.plain_greedy(sampling_rows) and all(
+            s.request.structured is None for s in states
+        ):
+            with self.profiler.section("logits"):
+                greedy = self.model.greedy_tokens(last_hidden, self.sampler.vocab_size)
+        if greedy is not None:
+            tokens, logprobs = greedy, None
+        else:
+            with self.profiler.section("logits"):
+                logits = self.model.compute_logits(last_hidden)
+            with self.profiler.section("grammar"):
+                self.grammar_bitmask.apply_to(logits, [s.request for s in states])
+            with self.profiler.section("sampling"):
+                tokens, logprobs = self.sampler.sample_on_device(logits, sampling_rows)
         with self.profiler.section("sampling"):
-            sampling_rows = [s.sampling_row() for s in states]
-            tokens, logprobs = self.sampler.sample_on_device(logits, sampling_rows)
             self._last_sampled = tokens
             self._last_sampled_rows = {rid: i for i, rid in enumerate(request_ids)}
             num_top = [r.params.logprobs for r in sampling_rows]

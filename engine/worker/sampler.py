@@ -86,6 +86,14 @@ class Sampler:
             return tokens, None
         return tokens, logprob_tensors(raw_logprobs, tokens, [r.params.logprobs for r in rows])
 
+    @staticmethod
+    def plain_greedy(rows: list[SamplingRow]) -> bool:
+        """Every row takes the argmax of the model's logits as they are (greedy, nothing to
+        apply to them, no logprobs): the model may give its tokens without the logits."""
+        return all(
+            r.params.greedy and r.params.logprobs is None and not _needs_processing(r) for r in rows
+        )
+
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """(n,) sampled token ids on the logits' device. Does not mutate `logits`."""
         if any(_needs_processing(r) for r in rows):

@@ -333,3 +333,34 @@ def test_argmax_rows_is_torchs_argmax(dtype: torch.dtype) -> None:
         got = argmax_rows(rows)
         assert got.dtype == torch.int64 and torch.equal(got, rows.argmax(dim=-1))
     assert argmax_rows(x)[3] == 10
+
+
+def test_greedy_rows_skip_the_logits_where_the_bf16_head_gives_tokens(tmp_path: Path) -> None:
+    """In bfloat16 with the native head kernel, a step whose rows are all plain greedy takes
+    its tokens from the head's own argmax (DecoderModel.greedy_tokens): no logits. A row
+    that needs them (logprobs, logit_bias, sampling) sends its step through compute_logits,
+    and greedy rows there get the same tokens as without them."""
+    from engine.models.layers import TILED_BF16_ISAS
+    from engine.ops.loader import native_kernels
+
+    if native_kernels().isa not in TILED_BF16_ISAS:
+        pytest.skip("the bfloat16 head kernel does not run on this CPU")
+    path = make_tiny_model("llama", tmp_path / "m", vocab_size=300)
+    llm = LLM(model=str(path), dtype="bfloat16", num_kv_blocks=64, max_model_len=128)
+    model = llm.core.runner.model
+    assert model.dense_head is not None and model.dense_head.tiled is not None
+    calls = []
+    compute_logits = model.compute_logits
+    model.compute_logits = lambda hidden: calls.append(len(hidden)) or compute_logits(hidden)
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16, 17], [30, 31]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    assert calls == []
+    with_logprobs = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    mixed = llm.generate(prompts, [greedy, with_logprobs, greedy, greedy])
+    assert calls and max(calls) == 4  # every step of the batch went through the logits
+    assert [o.outputs[0].token_ids for o in mixed] == plain
+    calls.clear()
+    biased = SamplingParams(temperature=0.0, max_tokens=1, logit_bias={299: 100.0})
+    assert llm.generate(prompts[:1], biased)[0].outputs[0].token_ids == [299]
+    assert calls == [1]
