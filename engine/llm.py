@@ -20,7 +20,10 @@ from engine.outputs import RequestOutput
 from engine.pooling import PoolingParams
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
-Prompt = str | list[int]
+# A text, token ids, or vLLM's TextPrompt / TokensPrompt dicts ({"prompt": text} or
+# {"prompt_token_ids": ids}).
+Prompt = str | list[int] | dict[str, Any]
+PROMPT_KEYS = {"prompt", "prompt_token_ids"}
 
 
 class LLM:
@@ -77,7 +80,7 @@ class LLM:
 
     def _add(
         self,
-        prompt: Prompt,
+        prompt: str | list[int],
         params: SamplingParams,
         pooling: PoolingParams | None = None,
         lora: LoRARequest | None = None,
@@ -122,12 +125,32 @@ class LLM:
         self.core.close()
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]:
+    if isinstance(prompts, str | dict):
+        return [_plain_prompt(prompts)]
     if prompts and all(isinstance(t, int) for t in prompts):
         return [list(prompts)]  # type: ignore[arg-type]
-    return list(prompts)  # type: ignore[arg-type]
+    return [_plain_prompt(p) for p in prompts]  # type: ignore[arg-type]
+
+
+def _plain_prompt(prompt: Prompt) -> str | list[int]:
+    """A prompt as text or token ids; a dict prompt must hold exactly one of them."""
+    if not isinstance(prompt, dict):
+        return prompt
+    unknown = sorted(set(prompt) - PROMPT_KEYS)
+    if unknown:
+        raise ValueError(f"prompt keys {unknown} are not supported (only {sorted(PROMPT_KEYS)})")
+    if len(prompt) != 1:
+        raise ValueError('a prompt dict holds one of "prompt" and "prompt_token_ids"')
+    if "prompt" in prompt:
+        text = prompt["prompt"]
+        if not isinstance(text, str):
+            raise ValueError('"prompt" must be a string')
+        return text
+    ids = prompt["prompt_token_ids"]
+    if not isinstance(ids, list | tuple) or not all(isinstance(t, int) for t in ids):
+        raise ValueError('"prompt_token_ids" must be a list of ints')
+    return list(ids)
 
 
 def _as_params_list(
