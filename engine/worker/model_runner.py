@@ -45,6 +45,7 @@ from engine.worker.pooler import LastTokenPooler
 from engine.worker.sampler import (
     LogprobTensors,
     Sampler,
+    SamplingRow,
     collect_logprobs,
     to_logprobs,
 )
@@ -319,11 +320,9 @@ class ModelRunner:
         sampling_rows = [s.sampling_row() for s in states]
         last_hidden = self._last_hidden(hidden, host, rows)
         greedy: torch.Tensor | None = None
-        if self.sampler.plain_greedy(sampling_rows) and all(
-            s.request.structured is None for s in states
-        ):
+        if all(s.request.structured is None for s in states):
             with self.profiler.section("logits"):
-                greedy = self.model.greedy_tokens(last_hidden, self.sampler.vocab_size)
+                greedy = self._greedy_tokens(last_hidden, sampling_rows)
         if greedy is not None:
             tokens, logprobs = greedy, None
         else:
@@ -342,6 +341,23 @@ class ModelRunner:
         return PendingOutput(
             request_ids, tokens, logprobs, num_top, prompt_logprobs, verified, drafted
         )
+
+    def _greedy_tokens(self, hidden: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor | None:
+        """The rows' greedy tokens from the model's head without the logits, where the
+        model gives them and every row allows it (Sampler.lowered_tokens); a row whose raw
+        argmax is a token its processing lowers is computed in full. None: the logits."""
+        lowered = self.sampler.lowered_tokens(rows)
+        if lowered is None:
+            return None
+        tokens = self.model.greedy_tokens(hidden, self.sampler.vocab_size)
+        if tokens is None:
+            return None
+        redo = [i for i, token in enumerate(tokens.tolist()) if token in lowered[i]]
+        if redo:
+            index = torch.tensor(redo)
+            logits = self.model.compute_logits(hidden[index])[:, : self.sampler.vocab_size]
+            tokens[index] = self.sampler.sample(logits, [rows[i] for i in redo])
+        return tokens
 
     def _draft(
         self,

@@ -87,12 +87,28 @@ class Sampler:
         return tokens, logprob_tensors(raw_logprobs, tokens, [r.params.logprobs for r in rows])
 
     @staticmethod
-    def plain_greedy(rows: list[SamplingRow]) -> bool:
-        """Every row takes the argmax of the model's logits as they are (greedy, nothing to
-        apply to them, no logprobs): the model may give its tokens without the logits."""
-        return all(
-            r.params.greedy and r.params.logprobs is None and not _needs_processing(r) for r in rows
-        )
+    def lowered_tokens(rows: list[SamplingRow]) -> list[set[int]] | None:
+        """Where every row is greedy, wants no logprobs, and has its logits at most lowered
+        (a logit_bias of at most 0; stop tokens masked to -inf under min_tokens; no
+        penalties): each row's lowered tokens. The argmax of a row's raw logits is then its
+        token unless it is one of those (a lowered logit cannot overtake it, nor tie it
+        from a lower index), so the model may give the tokens without the logits; else None."""
+        lowered: list[set[int]] = []
+        for row in rows:
+            params = row.params
+            bias = params.logit_bias or {}
+            if (
+                not params.greedy
+                or params.logprobs is not None
+                or params.needs_penalties
+                or any(b > 0 for b in bias.values())
+            ):
+                return None
+            tokens = set(bias)
+            if len(row.output_token_ids) < params.min_tokens:
+                tokens.update(row.stop_token_ids)
+            lowered.append(tokens)
+        return lowered
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """(n,) sampled token ids on the logits' device. Does not mutate `logits`."""

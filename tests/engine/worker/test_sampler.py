@@ -363,4 +363,41 @@ def test_greedy_rows_skip_the_logits_where_the_bf16_head_gives_tokens(tmp_path: 
     calls.clear()
     biased = SamplingParams(temperature=0.0, max_tokens=1, logit_bias={299: 100.0})
     assert llm.generate(prompts[:1], biased)[0].outputs[0].token_ids == [299]
-    assert calls == [1]
+    assert calls == [1]  # a raised logit may overtake any other: the logits
+
+
+def test_a_lowered_token_is_recomputed_only_where_it_was_the_argmax(tmp_path: Path) -> None:
+    """logit_bias of at most 0 (and min_tokens' masked stop tokens) only lower logits: the
+    head's argmax stands unless it is a lowered token, and then that row alone is
+    computed with its logits."""
+    from engine.models.layers import TILED_BF16_ISAS
+    from engine.ops.loader import native_kernels
+
+    if native_kernels().isa not in TILED_BF16_ISAS:
+        pytest.skip("the bfloat16 head kernel does not run on this CPU")
+    path = make_tiny_model("llama", tmp_path / "m", vocab_size=300)
+    llm = LLM(model=str(path), dtype="bfloat16", num_kv_blocks=64, max_model_len=128)
+    model = llm.core.runner.model
+    calls = []
+    compute_logits = model.compute_logits
+    model.compute_logits = lambda hidden: calls.append(len(hidden)) or compute_logits(hidden)
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    first = SamplingParams(temperature=0.0, max_tokens=1)
+    plain = [o.outputs[0].token_ids[0] for o in llm.generate(prompts, first)]
+    other = next(t for t in range(3, 300) if t not in plain)
+
+    def run(bias: dict[int, float]) -> list[int]:
+        params = SamplingParams(temperature=0.0, max_tokens=1, logit_bias=bias)
+        return [o.outputs[0].token_ids[0] for o in llm.generate(prompts, [params, first])]
+
+    calls.clear()
+    assert run({other: -100.0, plain[1]: -100.0}) == plain  # row 1's bias is not its own
+    assert calls == []
+    banned = run({plain[0]: -100.0})
+    assert banned[0] != plain[0] and banned[1] == plain[1]
+    assert calls == [1]  # row 0 alone
+    # The same ban through the logits of the whole step (a logprobs row beside it).
+    with_logprobs = SamplingParams(temperature=0.0, max_tokens=1, logprobs=0)
+    banned_params = SamplingParams(temperature=0.0, max_tokens=1, logit_bias={plain[0]: -100.0})
+    full = llm.generate(prompts, [banned_params, with_logprobs])
+    assert [o.outputs[0].token_ids[0] for o in full] == banned
