@@ -49,6 +49,7 @@ ENTRY_POINTS = (
     "decoder_ops.cpp",
     "lora_ops.cpp",
     "moe_ops.cpp",
+    "thread_pool.cpp",
 )
 KERNELS = (
     "attention_kernels.cpp",

@@ -35,6 +35,7 @@
 
 #include "attention_common.h"
 #include "kernels.h"
+#include "parallel.h"
 
 namespace pagedserve {
 namespace {
@@ -243,7 +244,7 @@ std::vector<WorkItem> plan_items(const Problem<T>& pb, int64_t num_reqs,
 }
 
 // Runs the items on torch's thread pool, one task per thread, each pulling items until
-// none are left (at::parallel_for hands out static ranges, which would leave a thread idle
+// none are left (parallel_for hands out static ranges, which would leave a thread idle
 // behind a long prefill).
 template <typename T>
 void run_items(const Problem<T>& pb, const std::vector<WorkItem>& items, const Kernels& kernels) {
@@ -255,7 +256,7 @@ void run_items(const Problem<T>& pb, const std::vector<WorkItem>& items, const K
   const int64_t num_workers =
       std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
     thread_local Scratch scratch;  // kept between calls: no allocation per layer
     scratch.reserve(max_queries, pb.head_dim, max_heads);
     for (int64_t w = begin; w < end; ++w) {

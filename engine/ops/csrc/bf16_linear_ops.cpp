@@ -96,7 +96,7 @@ at::Tensor bf16_linear_argmax(const at::Tensor& x, const at::Tensor& weight, int
   TileClaims claims(0, valid_tiles, run, tasks);
   std::vector<int32_t> best_key(tasks * M, INT32_MIN);
   std::vector<int64_t> best_index(tasks * M, -1);
-  at::parallel_for(0, tasks, 1, [&](int64_t first, int64_t last) {
+  parallel_for(0, tasks, 1, [&](int64_t first, int64_t last) {
     std::vector<c10::BFloat16> y(M * run * kTile);
     for (int64_t task = first; task < last; ++task) {
       int32_t* keys = best_key.data() + task * M;

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "kernels.h"
+#include "parallel.h"
 
 namespace pagedserve {
 namespace {
@@ -29,7 +30,7 @@ void parallel_rows(void (*rows)(const Args&, int64_t, int64_t), const Args& args
                    int64_t num_rows, int64_t row_elements) {
   const int64_t grain =
       std::max<int64_t>(1, kMinElementsPerTask / std::max<int64_t>(1, row_elements));
-  at::parallel_for(0, num_rows, grain,
+  parallel_for(0, num_rows, grain,
                    [&](int64_t begin, int64_t end) { rows(args, begin, end); });
 }
 

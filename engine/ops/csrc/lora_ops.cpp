@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "parallel.h"
 
 namespace pagedserve {
 namespace {
@@ -77,7 +78,7 @@ void lora_apply(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a,
                            blocks,             rank,              col_offsets.data(),
                            item_rows.data(),   item_counts.data(), item_slots.data()};
     const auto kernel = kernels_for(isa).of<T>().lora_rows;
-    at::parallel_for(0, static_cast<int64_t>(item_rows.size()), grain,
+    parallel_for(0, static_cast<int64_t>(item_rows.size()), grain,
                      [&](int64_t begin, int64_t end) { kernel(args, begin, end); });
   });
 }

@@ -81,7 +81,7 @@ void add_scaled(T* out, T* y, const T* scale, const int64_t* pairs, int64_t coun
                 int64_t top_k) {
   constexpr int64_t kMinElements = 1 << 15;  // per thread: enough to pay for a fork
   const int64_t grain = std::max<int64_t>(1, kMinElements / std::max<int64_t>(1, count));
-  at::parallel_for(0, H, grain, [&](int64_t h0, int64_t h1) {
+  parallel_for(0, H, grain, [&](int64_t h0, int64_t h1) {
     for (int64_t r = 0; r < count; ++r) {
       T* yr = y + r * H;
       const float s = static_cast<float>(scale[pairs[r]]);
@@ -150,7 +150,7 @@ void tiled_gemms(const std::vector<TiledGemm>& gemms, const Kernels& kernels) {
     const int64_t min_chunk = std::min(share, kClaimFlops / std::max<int64_t>(1, flops_per_tile));
     claims.push_back(std::make_unique<TileClaims>(0, tiles, min_chunk, threads));
   }
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       for (size_t g = 0; g < gemms.size(); ++g) {
         kernels.bf16_tiles(gemms[g].w, gemms[g].x, gemms[g].M, gemms[g].y, *claims[g]);

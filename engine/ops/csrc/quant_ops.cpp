@@ -144,7 +144,7 @@ at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales,
   at::Tensor out32 = at::empty({R, w.K}, qweight.options().dtype(at::kFloat));
   float* out = out32.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, kMinWeightsPerTask / w.K);
-  at::parallel_for(0, R, grain, [&](int64_t begin, int64_t end) {
+  parallel_for(0, R, grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t n = ids[i];
       for (int64_t g = 0; g < w.groups(); ++g) {
