@@ -7,13 +7,14 @@
 // only the run it holds. Served, 64 streams of 200 tokens in and 128 out went from 119-132
 // to 134-143 output tok/s (five pairs, alternating, on a 2-core AVX2 machine).
 //
-// The kernels' parallel regions run on a pool of their own (thread_pool.cpp), not on
-// torch's OpenMP threads. The engine core's OpenMP threads sleep at every barrier
-// (OMP_WAIT_POLICY=PASSIVE, for a shared CPU's sake), and waking one costs tens of
-// microseconds on some VMs: a step of 30 layers crosses some 150 regions. The pool's
-// workers spin for a short while (kSpin) after each region before they sleep, so a step's
-// regions, microseconds apart, find them awake; between steps they sleep. As many threads
-// as at::get_num_threads() says take part, so StepThreads' choice holds.
+// Where torch's OpenMP threads sleep at every barrier (OMP_WAIT_POLICY=PASSIVE, the engine
+// core's default, for a shared CPU's sake), the kernels' parallel regions run on a pool of
+// their own (thread_pool.cpp): waking a sleeping thread costs tens of microseconds on some
+// VMs, and a step of 30 layers crosses some 150 regions. The pool's workers spin for a
+// short while (kSpin) after each region before they sleep, so a step's regions,
+// microseconds apart, find them awake; between steps they sleep. Where OpenMP's threads
+// spin, they are awake already, and the regions run on them. As many threads as
+// at::get_num_threads() says take part, so StepThreads' choice holds.
 #pragma once
 
 #include <ATen/Parallel.h>
