@@ -345,7 +345,7 @@ def test_greedy_rows_skip_the_logits_where_the_bf16_head_gives_tokens(tmp_path: 
     from engine.ops.loader import native_kernels
 
     if native_kernels().isa not in TILED_BF16_ISAS:
-        pytest.skip(CPU_LACKS + "a bfloat16 tile kernel's set (AVX2 or AVX512_BF16)")
+        pytest.skip(CPU_LACKS + "a bfloat16 tile kernel's instruction set (AVX2, AVX512_BF16)")
     path = make_tiny_model("llama", tmp_path / "m", vocab_size=300)
     llm = LLM(model=str(path), dtype="bfloat16", num_kv_blocks=64, max_model_len=128)
     model = llm.core.runner.model
@@ -375,7 +375,7 @@ def test_a_lowered_token_is_recomputed_only_where_it_was_the_argmax(tmp_path: Pa
     from engine.ops.loader import native_kernels
 
     if native_kernels().isa not in TILED_BF16_ISAS:
-        pytest.skip(CPU_LACKS + "a bfloat16 tile kernel's set (AVX2 or AVX512_BF16)")
+        pytest.skip(CPU_LACKS + "a bfloat16 tile kernel's instruction set (AVX2, AVX512_BF16)")
     path = make_tiny_model("llama", tmp_path / "m", vocab_size=300)
     llm = LLM(model=str(path), dtype="bfloat16", num_kv_blocks=64, max_model_len=128)
     model = llm.core.runner.model
