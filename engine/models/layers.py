@@ -77,10 +77,13 @@ def tile_bf16_weight(weight: torch.Tensor) -> torch.Tensor:
     return padded.reshape(tiles, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
-def tiled_linear(x: torch.Tensor, tiled: torch.Tensor, n: int) -> torch.Tensor:
-    """x (..., K) @ W^T -> (..., n) for a weight tiled by tile_bf16_weight."""
+def tiled_linear(
+    x: torch.Tensor, tiled: torch.Tensor, n: int, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """x (..., K) @ W^T -> (..., n) for a weight tiled by tile_bf16_weight; in bfloat16, or
+    float32 holding the same rounded numbers (out_dtype)."""
     flat = x.reshape(-1, x.shape[-1])
-    y = native_ops.bf16_linear(flat, tiled, n)
+    y = native_ops.bf16_linear(flat, tiled, n, out_dtype)
     if y is None:
         raise RuntimeError("tiled bfloat16 weights need the native CPU kernels")
     return y.view(*x.shape[:-1], n)

@@ -26,6 +26,7 @@ from engine.models.layers import (
     Linear,
     RMSNorm,
     RotaryEmbedding,
+    tiled_linear,
 )
 from engine.models.lora_layers import LoRAStep
 from engine.models.moe import SparseMoE, grouped_gemm_runs
@@ -259,6 +260,16 @@ class DecoderModel(nn.Module):
         dense = self.dense_head
         if self.quantized_head is not None and (dense is None or len(hidden) <= DENSE_COPY_ROWS):
             return quantized_linear(hidden, self.quantized_head).float()
+        if (
+            dense is not None
+            and dense.tiled is not None
+            and dense.bias is None
+            and dense.lora is None
+        ):
+            # float32 straight from the kernel: the same numbers as .float() of its bfloat16
+            # logits, without a second (n, vocab) pass (and, at a long prompt's logprobs,
+            # another 100 MB of fresh pages to fault in).
+            return tiled_linear(hidden, dense.tiled, dense.out_features, torch.float32)
         if dense is not None:
             return dense(hidden).float()
         weight = self.embed_tokens if self.lm_head is None else self.lm_head

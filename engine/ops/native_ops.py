@@ -111,12 +111,15 @@ def quant_linear(x: torch.Tensor, weight: QuantArgs) -> torch.Tensor | None:
     return torch.ops.pagedserve.quant_linear(x, *weight)
 
 
-def bf16_linear(x: torch.Tensor, weight: torch.Tensor, n: int) -> torch.Tensor | None:
+def bf16_linear(
+    x: torch.Tensor, weight: torch.Tensor, n: int, out_dtype: torch.dtype | None = None
+) -> torch.Tensor | None:
     """x (M, K) @ W^T for a bfloat16 W tiled by layers.tile_bf16_weight, or None where the
-    native kernel cannot run (not CPU bfloat16, or no native kernels)."""
+    native kernel cannot run (not CPU bfloat16, or no native kernels). `out_dtype`
+    float32: the same bfloat16-rounded results as float32, as `.float()` of them would be."""
     if x.device.type != "cpu" or x.dtype != torch.bfloat16 or not native_kernels().available:
         return None
-    return torch.ops.pagedserve.bf16_linear(x, weight, n)
+    return torch.ops.pagedserve.bf16_linear(x, weight, n, out_dtype=out_dtype)
 
 
 def bf16_linear_argmax(

@@ -22,7 +22,7 @@ constexpr int64_t kFmaPrefetchAhead = 8192;
 // Stores R rows' tile of float32 sums (each row's two halves) as bfloat16, nearest even.
 template <int64_t R>
 inline void store_tile_rows(const Bf16Weight& w, int64_t t, __m256 (&acc)[R][2],
-                            c10::BFloat16* y) {
+                            Bf16Out y) {
   alignas(32) float lanes[R][Bf16Weight::kTile];
 #pragma GCC unroll 6
   for (int64_t r = 0; r < R; ++r) {
@@ -31,12 +31,12 @@ inline void store_tile_rows(const Bf16Weight& w, int64_t t, __m256 (&acc)[R][2],
   }
   const int64_t n0 = t * Bf16Weight::kTile, count = std::min(Bf16Weight::kTile, w.N - n0);
   for (int64_t r = 0; r < R; ++r) {
-    for (int64_t i = 0; i < count; ++i) y[r * w.N + n0 + i].x = round_bf16(lanes[r][i]);
+    for (int64_t i = 0; i < count; ++i) y.put(r * w.N + n0 + i, round_bf16(lanes[r][i]));
   }
 }
 
 template <int64_t R>
-void tile_fma(const Bf16Weight& w, int64_t t, const float* x, c10::BFloat16* y) {
+void tile_fma(const Bf16Weight& w, int64_t t, const float* x, Bf16Out y) {
   // One row alternates two partial sums, so consecutive FMAs do not wait on each other.
   constexpr int64_t P = R == 1 ? 2 : 1;
   const int64_t pairs = w.K / 2;
@@ -90,7 +90,7 @@ void tile_fma(const Bf16Weight& w, int64_t t, const float* x, c10::BFloat16* y) 
 }
 
 void tile_rows_fma(const Bf16Weight& w, int64_t t, const float* x, int64_t rows,
-                   c10::BFloat16* y) {
+                   Bf16Out y) {
   switch (rows) {
     case 4: return tile_fma<4>(w, t, x, y);
     case 3: return tile_fma<3>(w, t, x, y);
@@ -123,7 +123,7 @@ constexpr int64_t kPanelMinRows = 16;
 // 23.4 s of a 64-stream run (the next tile alone: its fetch outlasts one pass).
 template <int64_t R>
 void widening_fma(const Bf16Weight& w, int64_t t, float* panel, const float* x,
-                  c10::BFloat16* y, const char* next) {
+                  Bf16Out y, const char* next) {
   const c10::BFloat16* tile = w.tile(t);
   // Each row's start once, so the loop indexes them with k alone (with x + r * w.K in it,
   // GCC reloaded w.K and rebuilt six addresses for every k).
@@ -164,7 +164,7 @@ void widening_fma(const Bf16Weight& w, int64_t t, float* panel, const float* x,
 // A later pass of rows over the tile's panel.
 template <int64_t R>
 void panel_fma(const Bf16Weight& w, int64_t t, const float* panel, const float* x,
-               c10::BFloat16* y) {
+               Bf16Out y) {
   const float* xr[R];  // as widening_fma
 #pragma GCC unroll 6
   for (int64_t r = 0; r < R; ++r) xr[r] = x + r * w.K;
@@ -189,7 +189,7 @@ void panel_fma(const Bf16Weight& w, int64_t t, const float* panel, const float* 
 // One pass of `rows` (1..kPanelRows) rows over tile t: the first widens the tile into the
 // panel, the others read it.
 void panel_pass(const Bf16Weight& w, int64_t t, float* panel, const float* x, int64_t rows,
-                c10::BFloat16* y, bool first, const char* next) {
+                Bf16Out y, bool first, const char* next) {
 #define PAGEDSERVE_PANEL_PASS(R)                                         \
   case R:                                                                \
     return first ? widening_fma<R>(w, t, panel, x, y, next)              \
@@ -208,7 +208,7 @@ void panel_pass(const Bf16Weight& w, int64_t t, float* panel, const float* x, in
 
 // Tile-major, as the dot-product kernel: a tile's weights (K * 32 bytes, or its panel's
 // K * 64) stay in the cache for every pass of rows.
-void avx2_tiles(const Bf16Weight& w, const c10::BFloat16* x, int64_t M, c10::BFloat16* y,
+void avx2_tiles(const Bf16Weight& w, const c10::BFloat16* x, int64_t M, Bf16Out y,
                 TileClaims& claims) {
   // Per thread, kept between calls: this runs for every linear layer of every step.
   thread_local std::vector<float> xf;
@@ -227,14 +227,14 @@ void avx2_tiles(const Bf16Weight& w, const c10::BFloat16* x, int64_t M, c10::BFl
         const char* next = t + 2 < end ? reinterpret_cast<const char*>(w.tile(t + 2)) : nullptr;
         for (int64_t pass = 0, r0 = 0; pass < passes; ++pass) {
           const int64_t rows = M / passes + (pass < M % passes ? 1 : 0);
-          panel_pass(w, t, panel.data(), xf.data() + r0 * w.K, rows, y + r0 * w.N, pass == 0,
+          panel_pass(w, t, panel.data(), xf.data() + r0 * w.K, rows, y.at(r0 * w.N), pass == 0,
                      next);
           r0 += rows;
         }
         continue;
       }
       for (int64_t r0 = 0; r0 < M; r0 += kFmaRows) {
-        tile_rows_fma(w, t, xf.data() + r0 * w.K, std::min(kFmaRows, M - r0), y + r0 * w.N);
+        tile_rows_fma(w, t, xf.data() + r0 * w.K, std::min(kFmaRows, M - r0), y.at(r0 * w.N));
       }
     }
   }

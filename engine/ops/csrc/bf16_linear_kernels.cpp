@@ -51,7 +51,7 @@ inline uint16_t round_bf16(float f) {
 }
 
 [[maybe_unused]] void tile_portable(const Bf16Weight& w, int64_t t, const c10::BFloat16* x,
-                                    int64_t rows, c10::BFloat16* y) {
+                                    int64_t rows, Bf16Out y) {
   const int64_t n0 = t * Bf16Weight::kTile, count = std::min(Bf16Weight::kTile, w.N - n0);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t i = 0; i < count; ++i) {
@@ -59,7 +59,7 @@ inline uint16_t round_bf16(float f) {
       for (int64_t k = 0; k < w.K; ++k) {
         acc += w.value(n0 + i, k) * static_cast<float>(x[r * w.K + k]);
       }
-      y[r * w.N + n0 + i].x = round_bf16(acc);
+      y.put(r * w.N + n0 + i, round_bf16(acc));
     }
   }
 }
@@ -71,8 +71,9 @@ inline uint16_t round_bf16(float f) {
 // L1, which had itself helped at 4 rows over none. A prefetch past the end never faults.
 constexpr int64_t kPrefetchAhead = 8192;
 
-// Stores a tile's 16 float32 lanes as bfloat16 (nearest even), the first `count` of them.
-inline void store_bf16(c10::BFloat16* dst, __m512 lanes, int64_t count) {
+// Stores a tile's 16 float32 lanes as bfloat16 (nearest even), the first `count` of them;
+// or, for a float32 output, the rounded numbers as float32.
+inline void store_bf16(Bf16Out dst, __m512 lanes, int64_t count) {
   // bits + 0x7FFF + (bit 16 of bits), then the top half: round to nearest, ties to even.
   const __m512i bits = _mm512_castps_si512(lanes);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
@@ -80,14 +81,20 @@ inline void store_bf16(c10::BFloat16* dst, __m512 lanes, int64_t count) {
   // NaN becomes c10's NaN, 0x7FC0.
   const __mmask16 nan = _mm512_cmp_ps_mask(lanes, lanes, _CMP_UNORD_Q);
   rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC00000));
+  const auto mask = static_cast<__mmask16>((1u << count) - 1);
+  if (dst.f32) {
+    const __m512i top = _mm512_and_si512(rounded, _mm512_set1_epi32(int32_t(0xFFFF0000u)));
+    _mm512_mask_storeu_epi32(dst.data, mask, top);
+    return;
+  }
   const __m256i halves = _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-  _mm256_mask_storeu_epi16(dst, static_cast<__mmask16>((1u << count) - 1), halves);
+  _mm256_mask_storeu_epi16(dst.data, mask, halves);
 }
 
 // Tiles t..t+T-1 (T = 1 or 2) for R rows of x. With two tiles, each broadcast activation
 // pair serves both tiles' weight vectors: fewer loads per dot product, for steps of many rows.
 template <int64_t R, int64_t T>
-void tiles_dot(const Bf16Weight& w, int64_t t, const c10::BFloat16* x, c10::BFloat16* y,
+void tiles_dot(const Bf16Weight& w, int64_t t, const c10::BFloat16* x, Bf16Out y,
                int64_t ahead) {
   // With few rows, alternate partial sums so consecutive dot products do not wait on each
   // other's latency.
@@ -130,14 +137,14 @@ void tiles_dot(const Bf16Weight& w, int64_t t, const c10::BFloat16* x, c10::BFlo
     for (int64_t r = 0; r < R; ++r) {
       __m512 sum = acc[j][r][0];
       for (int64_t p = 1; p < P; ++p) sum = _mm512_add_ps(sum, acc[j][r][p]);
-      store_bf16(y + r * w.N + n0, sum, count);
+      store_bf16(y.at(r * w.N + n0), sum, count);
     }
   }
 }
 
 template <int64_t T>
 void tiles_rows(const Bf16Weight& w, int64_t t, const c10::BFloat16* x, int64_t rows,
-                c10::BFloat16* y, int64_t ahead) {
+                Bf16Out y, int64_t ahead) {
   switch (rows) {
     case 8: return tiles_dot<8, T>(w, t, x, y, ahead);
     case 7: return tiles_dot<7, T>(w, t, x, y, ahead);
@@ -157,7 +164,7 @@ void tiles_rows(const Bf16Weight& w, int64_t t, const c10::BFloat16* x, int64_t 
 // the two had taken about the sum of their times, not the larger. Later passes ask for
 // nothing.
 void tile_rows(const Bf16Weight& w, int64_t t, int64_t count, const c10::BFloat16* x,
-               int64_t rows, c10::BFloat16* y, int64_t pass) {
+               int64_t rows, Bf16Out y, int64_t pass) {
   const int64_t ahead = pass == 0   ? kPrefetchAhead
                         : pass == 1 ? count * w.K * Bf16Weight::kTile * 2
                                     : 0;
@@ -170,7 +177,7 @@ void tile_rows(const Bf16Weight& w, int64_t t, int64_t count, const c10::BFloat1
 #else
 
 void tile_rows(const Bf16Weight& w, int64_t t, int64_t count, const c10::BFloat16* x,
-               int64_t rows, c10::BFloat16* y, int64_t /*pass*/) {
+               int64_t rows, Bf16Out y, int64_t /*pass*/) {
   for (int64_t j = 0; j < count; ++j) tile_portable(w, t + j, x, rows, y);
 }
 
@@ -179,12 +186,12 @@ void tile_rows(const Bf16Weight& w, int64_t t, int64_t count, const c10::BFloat1
 }  // namespace
 
 #ifdef PAGEDSERVE_BF16_AVX2
-void bf16_tiles(const Bf16Weight& w, const c10::BFloat16* x, int64_t M, c10::BFloat16* y,
+void bf16_tiles(const Bf16Weight& w, const c10::BFloat16* x, int64_t M, Bf16Out y,
                 TileClaims& claims) {
   avx2_tiles(w, x, M, y, claims);
 }
 #else
-void bf16_tiles(const Bf16Weight& w, const c10::BFloat16* x, int64_t M, c10::BFloat16* y,
+void bf16_tiles(const Bf16Weight& w, const c10::BFloat16* x, int64_t M, Bf16Out y,
                 TileClaims& claims) {
   // Tile-major: a pair of tiles' weights (K * 64 bytes) stay in the cache for every pass of
   // rows. One row at a time goes one tile at a time: the loop is the memory's then.
@@ -193,7 +200,7 @@ void bf16_tiles(const Bf16Weight& w, const c10::BFloat16* x, int64_t M, c10::BFl
     for (int64_t t = begin; t < end; t += step) {
       const int64_t count = std::min(step, end - t);
       for (int64_t r0 = 0; r0 < M; r0 += kRows) {
-        tile_rows(w, t, count, x + r0 * w.K, std::min(kRows, M - r0), y + r0 * w.N, r0 / kRows);
+        tile_rows(w, t, count, x + r0 * w.K, std::min(kRows, M - r0), y.at(r0 * w.N), r0 / kRows);
       }
     }
   }

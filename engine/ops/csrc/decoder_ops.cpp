@@ -191,7 +191,8 @@ const auto& bf16_linear_op() {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("pagedserve::bf16_linear", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptString&)>();
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptString&,
+                            std::optional<at::ScalarType>)>();
   return op;
 }
 
@@ -223,7 +224,7 @@ at::Tensor base_linear(const at::Tensor& x, const LinearWeights& w, const OptStr
   if (w.kind == kDense) return at::linear(x, w.weight, w.bias);
   at::Tensor y;
   if (w.kind == kTiled) {
-    y = bf16_linear_op().call(x, w.weight, w.n, isa);
+    y = bf16_linear_op().call(x, w.weight, w.n, isa, std::nullopt);
   } else if (x.size(0) <= w.max_kernel_rows) {
     y = quant_linear_op().call(x, w.weight, *w.scales, w.mins, w.bits, w.group_size, w.n, isa);
   } else {

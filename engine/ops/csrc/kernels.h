@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <string>
@@ -261,6 +262,27 @@ struct Bf16Weight {
   }
 };
 
+// Where a bfloat16 linear layer's outputs go: bfloat16, or float32 holding the same rounded
+// values (an LM head's logits, as bf16_linear(...).float() would give them, without the
+// bfloat16 copy).
+struct Bf16Out {
+  void* data;
+  bool f32 = false;
+  // The output `elements` further on.
+  Bf16Out at(int64_t elements) const {
+    return {static_cast<char*>(data) + elements * (f32 ? 4 : 2), f32};
+  }
+  // Output i as the bfloat16 number `bits`.
+  void put(int64_t i, uint16_t bits) const {
+    if (f32) {
+      const uint32_t wide = uint32_t{bits} << 16;
+      std::memcpy(static_cast<float*>(data) + i, &wide, sizeof(wide));
+    } else {
+      static_cast<uint16_t*>(data)[i] = bits;
+    }
+  }
+};
+
 // Rows of y (T, N) += (x (T, K) A_slot^T) Bt_slot, each run of rows with its own slot: the
 // LoRA adapters of a step (engine/models/lora_layers.py has the layout). A slot's A (R, K) and
 // Bt (R, N) hold `blocks` blocks of R / blocks rows, of which the first ranks[slot] are the
@@ -309,7 +331,7 @@ struct Kernels {
   void (*quant_rows_int16)(const float* x, int64_t M, int64_t K, int16_t* xq, float* scale);
   // bfloat16 linear: the tiles of y (M, N) = x (M, K) W^T that this thread claims, every
   // row of x.
-  void (*bf16_tiles)(const Bf16Weight&, const c10::BFloat16* x, int64_t M, c10::BFloat16* y,
+  void (*bf16_tiles)(const Bf16Weight&, const c10::BFloat16* x, int64_t M, Bf16Out y,
                      TileClaims& claims);
 
   template <typename T>
@@ -363,7 +385,7 @@ inline const Kernels& kernels_for(const std::optional<std::string>& isa) {
   void quant_tiles(const QuantWeight& w, const QuantRows& rows, QuantOut out,            \
                    int64_t begin, int64_t end);                                           \
   void quant_rows_int16(const float* x, int64_t M, int64_t K, int16_t* xq, float* scale); \
-  void bf16_tiles(const Bf16Weight& w, const c10::BFloat16* x, int64_t M, c10::BFloat16* y, \
+  void bf16_tiles(const Bf16Weight& w, const c10::BFloat16* x, int64_t M, Bf16Out y,         \
                   TileClaims& claims);                                                    \
   }
 

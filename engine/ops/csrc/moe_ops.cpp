@@ -153,7 +153,7 @@ void tiled_gemms(const std::vector<TiledGemm>& gemms, const Kernels& kernels) {
   parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       for (size_t g = 0; g < gemms.size(); ++g) {
-        kernels.bf16_tiles(gemms[g].w, gemms[g].x, gemms[g].M, gemms[g].y, *claims[g]);
+        kernels.bf16_tiles(gemms[g].w, gemms[g].x, gemms[g].M, Bf16Out{gemms[g].y}, *claims[g]);
       }
     }
   });

@@ -156,6 +156,37 @@ def test_bad_shapes_are_refused() -> None:
         torch.ops.pagedserve.bf16_linear(torch.randn(1, 8), tiled, 32)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("n", "k", "m"), [(37, 64, 1), (50, 30, 3), (33, 128, 9), (200, 64, 20)])
+def test_float32_output_is_the_bfloat16_output_widened(isa: str, n: int, k: int, m: int) -> None:
+    """out_dtype=float32 (the LM head's logits) gives exactly .float() of the bfloat16 result,
+    in every instruction set, including a tile cut short by N and a last pass of rows."""
+    g = torch.Generator().manual_seed(n + k + m)
+    tiled = tile_bf16_weight(torch.randn(n, k, generator=g).bfloat16())
+    x = torch.randn(m, k, generator=g).bfloat16()
+    wide = torch.ops.pagedserve.bf16_linear(x, tiled, n, isa, out_dtype=torch.float32)
+    assert wide.dtype == torch.float32 and wide.shape == (m, n)
+    assert torch.equal(wide, torch.ops.pagedserve.bf16_linear(x, tiled, n, isa).float())
+
+
+def test_large_outputs_and_other_dtypes() -> None:
+    """An output large enough to ask for huge pages (8 MB and up) holds the right numbers in
+    either dtype; an output dtype other than bfloat16 or float32 is refused."""
+    g = torch.Generator().manual_seed(3)
+    n, k = 33000, 32
+    weight = torch.randn(n, k, generator=g).bfloat16()
+    tiled = tile_bf16_weight(weight)
+    x = torch.randn(130, k, generator=g).bfloat16()
+    narrow = torch.ops.pagedserve.bf16_linear(x, tiled, n)
+    wide = torch.ops.pagedserve.bf16_linear(x, tiled, n, out_dtype=torch.float32)
+    assert wide.numel() * wide.element_size() >= narrow.numel() * narrow.element_size() >= 8 << 20
+    assert torch.equal(wide, narrow.float())
+    rows = [0, 63, 64, 129]
+    assert_rounded_reference(narrow[rows], reference(x[rows], weight))
+    with pytest.raises(RuntimeError, match="out_dtype must be"):
+        torch.ops.pagedserve.bf16_linear(x, tiled, n, out_dtype=torch.float16)
+
+
 def test_special_values_round_like_torch() -> None:
     """Rounding to bfloat16 is nearest-even as torch's; infinities and NaN pass through."""
     weight = torch.zeros(16, 2).bfloat16()
