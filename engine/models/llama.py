@@ -259,7 +259,7 @@ class DecoderModel(nn.Module):
         assert self.has_lm_head, "an embedding model computes no logits"
         dense = self.dense_head
         if self.quantized_head is not None and (dense is None or len(hidden) <= DENSE_COPY_ROWS):
-            return quantized_linear(hidden, self.quantized_head).float()
+            return quantized_linear(hidden, self.quantized_head, out_dtype=torch.float32)
         if (
             dense is not None
             and dense.tiled is not None

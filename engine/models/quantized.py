@@ -241,15 +241,22 @@ def dequantize(
 
 
 def quantized_linear(
-    x: torch.Tensor, weight: TiledWeight, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: TiledWeight,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """x (..., K) @ W^T (+ bias) -> (..., N) in x's dtype."""
+    """x (..., K) @ W^T (+ bias) -> (..., N) in x's dtype, then in `out_dtype` if given
+    (float32 logits: the kernel writes them, without a copy in x's dtype first)."""
     flat = x.reshape(-1, x.shape[-1])
     y = None
     if flat.shape[0] <= MAX_KERNEL_ROWS:
-        y = native_ops.quant_linear(flat, weight.kernel_args())
+        wide = out_dtype == torch.float32 and bias is None
+        y = native_ops.quant_linear(flat, weight.kernel_args(), torch.float32 if wide else None)
     if y is None:
         y = F.linear(flat, dequantize(weight, x.dtype))
     if bias is not None:
         y = y + bias
+    if out_dtype is not None:
+        y = y.to(out_dtype)
     return y.view(*x.shape[:-1], y.shape[-1])

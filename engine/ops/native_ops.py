@@ -101,14 +101,17 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 QuantArgs = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int, int, int]
 
 
-def quant_linear(x: torch.Tensor, weight: QuantArgs) -> torch.Tensor | None:
+def quant_linear(
+    x: torch.Tensor, weight: QuantArgs, out_dtype: torch.dtype | None = None
+) -> torch.Tensor | None:
     """x (M, K) @ W^T for a tiled quantized W, or None where the native kernel cannot run
-    (not CPU float32/bfloat16, or no native kernels)."""
+    (not CPU float32/bfloat16, or no native kernels). `out_dtype` float32 for bfloat16 x:
+    the bfloat16 results as float32, as `.float()` of them would be."""
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
         return None
     if not native_kernels().available:
         return None
-    return torch.ops.pagedserve.quant_linear(x, *weight)
+    return torch.ops.pagedserve.quant_linear(x, *weight, out_dtype=out_dtype)
 
 
 def bf16_linear(

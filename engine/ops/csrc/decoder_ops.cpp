@@ -163,7 +163,7 @@ const auto& quant_linear_op() {
           .findSchemaOrThrow("pagedserve::quant_linear", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                             const std::optional<at::Tensor>&, int64_t, int64_t, int64_t,
-                            const OptString&)>();
+                            const OptString&, std::optional<at::ScalarType>)>();
   return op;
 }
 
@@ -226,7 +226,8 @@ at::Tensor base_linear(const at::Tensor& x, const LinearWeights& w, const OptStr
   if (w.kind == kTiled) {
     y = bf16_linear_op().call(x, w.weight, w.n, isa, std::nullopt);
   } else if (x.size(0) <= w.max_kernel_rows) {
-    y = quant_linear_op().call(x, w.weight, *w.scales, w.mins, w.bits, w.group_size, w.n, isa);
+    y = quant_linear_op().call(x, w.weight, *w.scales, w.mins, w.bits, w.group_size, w.n, isa,
+                              std::nullopt);
   } else {
     const at::Tensor dense = quant_dequantize_op().call(w.weight, *w.scales, w.mins, w.bits,
                                                         w.group_size, w.n, std::nullopt,

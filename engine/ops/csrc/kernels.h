@@ -217,6 +217,9 @@ struct QuantRows {
 struct QuantOut {
   void* data;
   bool bf16;
+  // float32 outputs that hold the bfloat16-rounded numbers (bf16 false): an LM head's
+  // logits for bfloat16 rows, as .float() of the bfloat16 outputs would be.
+  bool rounded = false;
 };
 
 // A linear layer's output tiles begin..end, claimed a run at a time by the threads of one

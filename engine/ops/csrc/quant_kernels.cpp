@@ -59,12 +59,18 @@ namespace {
 
 using TileKernel = void (*)(const QuantWeight&, int64_t t, const QuantRows& a, QuantOut out);
 
-// Stores one row's tile of outputs, rounding to bfloat16 (nearest even) when the output is.
+// Stores one row's tile of outputs, rounding to bfloat16 (nearest even) when the output is,
+// or is float32 holding bfloat16 numbers.
 void store_tile(const QuantWeight& w, int64_t t, const float* lanes, QuantOut out, int64_t r) {
   const int64_t n0 = t * QuantWeight::kTile, count = std::min(QuantWeight::kTile, w.N - n0);
   if (out.bf16) {
     c10::BFloat16* dst = static_cast<c10::BFloat16*>(out.data) + r * w.N + n0;
     for (int64_t i = 0; i < count; ++i) dst[i] = static_cast<c10::BFloat16>(lanes[i]);
+  } else if (out.rounded) {
+    float* dst = static_cast<float*>(out.data) + r * w.N + n0;
+    for (int64_t i = 0; i < count; ++i) {
+      dst[i] = static_cast<float>(static_cast<c10::BFloat16>(lanes[i]));
+    }
   } else {
     std::memcpy(static_cast<float*>(out.data) + r * w.N + n0, lanes, count * sizeof(float));
   }

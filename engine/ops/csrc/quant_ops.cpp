@@ -56,10 +56,12 @@ QuantWeight check_weight(const at::Tensor& qweight, const at::Tensor& scales,
                      scales.data_ptr<c10::Half>(), m, N, K, group, static_cast<int>(bits)};
 }
 
-// x (M, K) @ W^T -> (M, N) in x's dtype (float32 or bfloat16).
+// x (M, K) @ W^T -> (M, N) in x's dtype (float32 or bfloat16); or, for bfloat16 x and
+// out_dtype float32, float32 holding the bfloat16 results (as .float() of them would be).
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         const std::optional<at::Tensor>& mins, int64_t bits, int64_t group,
-                        int64_t N, const std::optional<std::string>& isa) {
+                        int64_t N, const std::optional<std::string>& isa,
+                        std::optional<at::ScalarType> out_dtype) {
   const QuantWeight w = check_weight(qweight, scales, mins, bits, group, N);
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == w.K, "x must be (M, ", w.K,
               ") on the CPU");
@@ -67,6 +69,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
               "x must be float32 or bfloat16");
   const int64_t M = x.size(0), K = w.K, groups = w.groups();
   const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const at::ScalarType dtype = out_dtype.value_or(x.scalar_type());
+  TORCH_CHECK(dtype == x.scalar_type() || (bf16 && dtype == at::kFloat),
+              "out_dtype must be x's dtype, or float32 for bfloat16 x; not ", dtype);
+  const bool widen = dtype != x.scalar_type();
   const at::Tensor xc = x.contiguous();
   // x in float32 and its group sums, made here rather than with torch ops: a decode step
   // runs this for every linear layer, and each extra op costs dispatch time. The buffers
@@ -99,7 +105,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
     xq_scale.resize(M * (K / QuantWeight::kBlock));
     kernels.quant_rows_int16(x32.data(), M, K, xq.data(), xq_scale.data());
   }
-  at::Tensor out = at::empty({M, N}, x.options());
+  at::Tensor out = at::empty({M, N}, x.options().dtype(dtype));
   const auto tiles = kernels.quant_tiles;
   const int64_t grain = std::max<int64_t>(1, kMinWeightsPerTask / (QuantWeight::kTile * K));
   // The tasks see the buffers through these pointers: a thread_local named in the lambda
@@ -120,7 +126,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
           rows.xq_scale = xq_scalep + r0 * (K / QuantWeight::kBlock);
         }
         char* base = outp + r0 * N * out.element_size();
-        tiles(w, rows, QuantOut{base, bf16}, begin, end);
+        tiles(w, rows, QuantOut{base, bf16 && !widen, widen}, begin, end);
       }
     }
   });
@@ -164,7 +170,7 @@ at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales,
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def(
       "quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int bits, "
-      "int group_size, int n, str? isa=None) -> Tensor");
+      "int group_size, int n, str? isa=None, ScalarType? out_dtype=None) -> Tensor");
   m.def(
       "quant_dequantize(Tensor qweight, Tensor scales, Tensor? mins, int bits, int group_size, "
       "int n, Tensor? rows, ScalarType dtype) -> Tensor");

@@ -89,6 +89,27 @@ def test_kernel_matches_the_dequantized_reference(
     assert error < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("fmt", ["int8", "Q4_1", "int4-g64"])
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("m", [1, 3, 9])
+def test_float32_output_is_the_bfloat16_output_widened(fmt: str, isa: str, m: int) -> None:
+    """out_dtype=float32 for bfloat16 rows (an LM head's logits) gives exactly .float() of
+    the bfloat16 result, in every instruction set; float32 rows keep float32, and any other
+    output dtype is refused."""
+    tiled = pack_tiles(make_weight(fmt))
+    x = torch.randn(m, K, generator=torch.Generator().manual_seed(m)).bfloat16()
+    op = torch.ops.pagedserve.quant_linear
+    wide = op(x, *tiled.kernel_args(), isa=isa, out_dtype=torch.float32)
+    assert wide.dtype == torch.float32
+    assert torch.equal(wide, kernel(isa, x, tiled).float())
+    x32 = x.float()
+    assert torch.equal(
+        op(x32, *tiled.kernel_args(), isa=isa, out_dtype=torch.float32), kernel(isa, x32, tiled)
+    )
+    with pytest.raises(RuntimeError, match="out_dtype must be"):
+        op(x32, *tiled.kernel_args(), isa=isa, out_dtype=torch.bfloat16)
+
+
 @pytest.mark.parametrize("fmt", ["int8", "Q4_1"])
 @pytest.mark.parametrize("m", [1, 64])
 def test_any_thread_count_gives_the_same_bits(fmt: str, m: int) -> None:
