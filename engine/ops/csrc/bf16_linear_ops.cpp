@@ -41,16 +41,20 @@ int64_t check_tiled(const at::Tensor& x, const at::Tensor& weight, int64_t N) {
   return K;
 }
 
-// Outputs of at least this many bytes ask for huge pages (below).
-constexpr int64_t kHugeOutputBytes = 8 << 20;
+// Outputs of at least this many bytes ask for huge pages (below): glibc's largest threshold
+// for mapping an allocation anew (M_MMAP_THRESHOLD's dynamic maximum on 64-bit).
+constexpr int64_t kHugeOutputBytes = 32 << 20;
 constexpr uintptr_t kHugePage = 2 << 20;
 
-// A large output is fresh memory from the kernel (glibc maps allocations this large anew
-// each time), and its first write faults every 4 KB page in: an LM head over a 512-row
-// prefill writes 50 MB, whose 12,000 faults took a third of its time on a 2-core VM. Where
-// transparent huge pages are enabled for madvise'd memory (a common default), the 2 MB
-// pages inside the buffer fault in 512 times fewer. Harmless where they are not: madvise
-// then fails, and the pages stay small.
+// An output that large is fresh memory from the kernel each time (glibc maps it anew, and
+// unmaps it when freed), and its first write faults every 4 KB page in: an LM head over a
+// 512-row prefill writes 50 MB, whose 12,000 faults took a third of its time on a 2-core
+// VM. Where transparent huge pages are enabled for madvise'd memory (a common default), the
+// 2 MB pages inside the buffer fault in 512 times fewer. Smaller outputs come back from
+// malloc's heap already faulted in after the first step, and are left alone: with THP's
+// defrag set to madvise, a huge page fault may stop for compaction, which a decode step's
+// logits (64 rows: 12.6 MB in float32) should not wait on. Harmless where THP is off:
+// madvise then fails, and the pages stay small.
 void prefer_huge_pages(const at::Tensor& t) {
   const int64_t bytes = t.numel() * t.element_size();
   if (bytes < kHugeOutputBytes) return;
