@@ -151,7 +151,7 @@ class EngineArgs:
     )
     quantization_dense_copy: bool = _arg(
         True,
-        "quantized weights also kept dequantized in --dtype, for steps of more than 4 tokens "
+        "quantized weights also kept dequantized in --dtype, for steps of more than 8 tokens "
         "(prefill, batched decode), where a dense GEMM is faster; costs the float weights' "
         "memory on top of the quantized ones",
     )
@@ -240,7 +240,7 @@ class QuantConfig:
     dense_copy: bool = False  # also the weights dequantized, for steps of many tokens
 
     def describe(self) -> str:
-        copy = ", dense copy for steps of over 4 tokens" if self.dense_copy else ""
+        copy = ", dense copy for steps of over 8 tokens" if self.dense_copy else ""
         if self.method == "int4":
             head = ", LM head too" if self.lm_head else ""
             return f"int4 (groups of {self.group_size}){head}{copy}"

@@ -42,7 +42,7 @@ def test_info_prints_what_runs_on_this_cpu(default_model_dir: Path) -> None:
         "kernels built": " ".join(kernels.built),
         "kernels this CPU runs": " ".join(kernels.supported),
         "torch threads": "1",
-        "quantization": "GGUF as stored, dense copy for steps of over 4 tokens",
+        "quantization": "GGUF as stored, dense copy for steps of over 8 tokens",
     }
     assert "CUDA" not in result.stdout
     dense = info(str(default_model_dir), *SETTINGS, "--quantization", "none")

@@ -39,7 +39,7 @@ CASES = {
 }
 # A decode step's single token; a step whose experts get several tokens (a few get more
 # than DENSE_COPY_ROWS, so a dense copy runs beside quantized experts).
-NUM_TOKENS = (1, 16)
+NUM_TOKENS = (1, 36)
 # A token's k-th and (k+1)-th router logits differ by more than this in float64, so the
 # op's rounded logits choose the reference's experts.
 MIN_LOGIT_GAP = 0.1
