@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <numeric>
 
 #include "kernels.h"
 
@@ -38,30 +39,30 @@ struct PageCursor {
   int64_t block_size, row_stride, head_offset;
   int64_t page = 0, offset = 0;
 
+  // The next n keys' rows, page by page (a chunk spans pages where blocks are smaller).
   void next_rows(int n, int64_t* rows) {
-    if (offset + n <= block_size) {  // the usual case: the n keys share a page
+    for (int j = 0; j < n;) {
+      const int take = static_cast<int>(std::min<int64_t>(n - j, block_size - offset));
       const int64_t first = (pages[page] * block_size + offset) * row_stride + head_offset;
-      for (int j = 0; j < n; ++j) rows[j] = first + j * row_stride;
-      advance(n);
-      return;
-    }
-    for (int j = 0; j < n; ++j) {
-      rows[j] = (pages[page] * block_size + offset) * row_stride + head_offset;
-      advance(1);
-    }
-  }
-
- private:
-  void advance(int64_t n) {
-    offset += n;
-    if (offset == block_size) {
-      offset = 0;
-      ++page;
+      for (int t = 0; t < take; ++t) rows[j + t] = first + t * row_stride;
+      j += take;
+      offset += take;
+      if (offset == block_size) {
+        offset = 0;
+        ++page;
+      }
     }
   }
 };
 
-// A cursor at key first_key, which starts a page.
+// Keys in whole pages and whole chunks: where a walk over a request's keys may start, so
+// that its chunks lie on the same grid (keys 0, kChunk, 2 kChunk, ...) whatever the item.
+inline int64_t chunk_aligned_keys(int64_t block_size) {
+  return std::lcm<int64_t>(block_size, kChunk);
+}
+
+// A cursor at key first_key, which starts a page (first_walked_key, part and shared-prefix
+// boundaries all do).
 template <typename T>
 PageCursor cursor_for(const Problem<T>& pb, const Span& sp, int64_t kv_head, int64_t first_key) {
   const int64_t row_stride = pb.num_kv_heads * pb.head_dim;
@@ -86,7 +87,7 @@ struct ChunkRows {
 // did about as well (benchmarks/attention_cpu.py); on an AVX2 machine (Zen 3), 0 to 256
 // keys ran within its noise of each other.
 constexpr int64_t kPrefetchKeys = 128;
-// Keys whose rows are also requested into L1, a chunk ahead, for items of at most
+// Keys whose rows are also requested into L1, half a chunk ahead, for items of at most
 // kNearPrefetchRows query rows (decodes: few query vectors per key, so the memory's speed is
 // theirs). On a Zen 5 VM (AVX-512 BF16) the L2 requests alone left decodes at 8 GB/s a
 // core: with these beside them, 16 x 230 and 64 x 230 decodes ran 10-15% faster, and 16 to
@@ -139,12 +140,14 @@ inline int64_t first_visible_key(int64_t computed, int64_t i, int64_t window) {
   return window > 0 ? std::max<int64_t>(0, computed + i + 1 - window) : 0;
 }
 
-// The page-aligned key from which a walk over the keys of rows row_begin.. must start: the
-// keys before it lie outside every such row's window (with no window, key 0).
+// The key from which a walk over the keys of rows row_begin.. must start, at the start of a
+// page and a chunk (chunk_aligned_keys): the keys before it lie outside every such row's
+// window (with no window, key 0). Rows in different items (a prompt's tiles, or its chunks
+// over several steps) so walk their keys in the same chunks.
 inline int64_t first_walked_key(int64_t computed, int64_t row_begin, int64_t window,
                                 int64_t block_size) {
   const int64_t first = first_visible_key(computed, row_begin, window);
-  return first - first % block_size;
+  return first - first % chunk_aligned_keys(block_size);
 }
 
 template <typename T>

@@ -1,7 +1,7 @@
 // The paged-attention work item (attention_ops.cpp plans the items and says what they
 // compute), written once for every instruction set over a struct of vector primitives V:
 //
-//   V::F, V::W            a vector of W float32 lanes (W divides kChunk = 16)
+//   V::F, V::W            a vector of W float32 lanes (W divides kChunk = 32)
 //   kAccRegs              accumulator registers a value block may hold
 //   kKeysOuter            score a chunk key by key (q in registers), not d by d
 //   zero, set1, add, sub, mul, fmadd(a, b, c) = a * b + c

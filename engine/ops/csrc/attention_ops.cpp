@@ -9,9 +9,9 @@
 // Work is split into items (request, kv_head, tile of query rows; a long decode's keys also
 // into parts, merged at the end: see kSplitMinKeys). An item loads each key/value row once,
 // for all `group` query heads of its KV head and all rows of its tile, and streams over the
-// keys 16 at a time with an online softmax in float32:
+// keys kChunk (32) at a time with an online softmax in float32:
 //
-//   for each chunk of 16 keys:   s = q.K^T * scale            (M, 16)   M = rows * group
+//   for each chunk of 32 keys:   s = q.K^T * scale            (M, 32)   M = rows * group
 //                                m' = max(m, rowmax(s)); p = exp(s - m'); alpha = exp(m - m')
 //                                l = l * alpha + rowsum(p);  acc = acc * alpha + p.V
 //   out = acc / l
@@ -40,6 +40,7 @@
 namespace pagedserve {
 namespace {
 
+using PAGEDSERVE_ISA::chunk_aligned_keys;
 using PAGEDSERVE_ISA::denominator;
 using PAGEDSERVE_ISA::first_walked_key;
 using PAGEDSERVE_ISA::part_state;
@@ -99,21 +100,23 @@ struct SharedPrefix {
 };
 
 // Runs of consecutive requests that share leading pages (a common system prompt, cached
-// once by the prefix cache). Their shared keys are read once for all of them, by items
-// over all their rows, and each request then resumes from there. Online softmax walks the
-// keys in the same chunks either way, so the AVX-512 kernels give the same result bit for
-// bit (the portable one may sum a score in another order); block sizes that are not a
-// multiple of the chunk never share.
+// once by the prefix cache). Their shared keys, in whole pages and whole chunks
+// (chunk_aligned_keys), are read once for all of them, by items over all their rows, and
+// each request then resumes from there. Online softmax walks the keys in the same chunks
+// either way, so the AVX-512 kernels give the same result bit for bit (the portable one
+// may sum a score in another order).
 template <typename T>
 std::vector<SharedPrefix> find_shared_prefixes(const Problem<T>& pb, int64_t num_reqs) {
   std::vector<SharedPrefix> runs;
   // With a sliding window, rows do not see a shared prefix in full.
-  if (pb.block_size % kChunk != 0 || pb.window > 0) return runs;
+  if (pb.window > 0) return runs;
   const int32_t* pages = pb.kv_indices;
   // Pages of request r that every one of its rows sees in full.
   auto seen_pages = [&](int64_t r) { return span_of(pb, r).computed / pb.block_size; };
   auto q_len = [&](int64_t r) { return pb.qo_indptr[r + 1] - pb.qo_indptr[r]; };
-  const int64_t min_pages = (kMinSharedKeys + pb.block_size - 1) / pb.block_size;
+  const int64_t align = chunk_aligned_keys(pb.block_size);
+  // At least kMinSharedKeys keys once cut to whole chunks.
+  const int64_t min_pages = (kMinSharedKeys + align - 1) / align * align / pb.block_size;
   int64_t r0 = 0;
   while (r0 < num_reqs) {
     int64_t shared = q_len(r0) > 0 ? seen_pages(r0) : 0, r1 = r0 + 1;
@@ -126,7 +129,9 @@ std::vector<SharedPrefix> find_shared_prefixes(const Problem<T>& pb, int64_t num
       if (common < min_pages) break;
       shared = common;
     }
-    if (r1 - r0 >= 2 && shared >= min_pages) runs.push_back({r0, r1, shared * pb.block_size});
+    if (r1 - r0 >= 2 && shared >= min_pages) {
+      runs.push_back({r0, r1, shared * pb.block_size / align * align});
+    }
     r0 = r1;
   }
   return runs;
@@ -172,13 +177,13 @@ struct SplitDecode {
   int64_t row, parts;
 };
 
-// The keys per part of a decode over kv_len keys (whole pages and whole chunks of 16), or
+// The keys per part of a decode over kv_len keys (whole pages and whole chunks), or
 // 0 if it is not split. With a sliding window, kv_len counts the keys from the page its
 // window starts in.
 int64_t part_keys(int64_t kv_len, int64_t block_size) {
   if (kv_len < kSplitMinKeys) return 0;
   const int64_t parts = std::min<int64_t>(kMaxParts, kv_len / kPartKeys);
-  const int64_t align = std::lcm<int64_t>(block_size, kChunk);
+  const int64_t align = chunk_aligned_keys(block_size);
   const int64_t keys = ((kv_len + parts - 1) / parts + align - 1) / align * align;
   return keys < kv_len ? keys : 0;
 }

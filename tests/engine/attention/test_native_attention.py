@@ -3,6 +3,7 @@ every instruction set this CPU runs (the op's `isa` argument)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,9 @@ NATIVE_CASES = CASES | {
 }
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 LAYER = 1
+# Keys per online-softmax step (kChunk in engine/ops/csrc/kernels.h): shared prefixes and
+# windowed walks start on whole chunks.
+KEY_CHUNK = 32
 # Every instruction set this build holds and this CPU runs (no skip: an empty list fails).
 # Kernel tests run over every set built (isa_params), those this CPU lacks skipped.
 ISAS = list(native_kernels().supported)
@@ -276,11 +280,10 @@ def test_shared_prefix_pages_are_read_once_with_the_same_result(
     requests, prefix = SHARED_CASES[case]
     shared = make_case(requests, 9, 3, 64, block_size, dtype, 7, prefix, share_pages=True)
     private = make_case(requests, 9, 3, 64, block_size, dtype, 7, prefix, share_pages=False)
-    if block_size % 16 == 0:  # whole chunks of 16 keys; other block sizes never share
-        expected_keys = prefix // block_size * block_size
-        assert shared_prefixes(shared.metadata, block_size) == [[0, len(requests), expected_keys]]
-    else:
-        assert shared_prefixes(shared.metadata, block_size) == []
+    # Whole pages and whole chunks of the kernel's KEY_CHUNK keys.
+    align = math.lcm(block_size, KEY_CHUNK)
+    expected_keys = prefix // align * align
+    assert shared_prefixes(shared.metadata, block_size) == [[0, len(requests), expected_keys]]
     assert shared_prefixes(private.metadata, block_size) == []
     out, reference = run_native(shared, isa), run_native(private, isa)
     max_diff = max_diff_to_dense(shared, out)
@@ -305,12 +308,12 @@ def test_shared_prefix_runs() -> None:
         return shared_prefixes(md, block_size)
 
     a, b = list(range(0, 40)), list(range(100, 140))  # two prompts of 40 pages
-    decode = (600, 1)  # 37.5 pages seen: 37 whole pages before the query
-    assert plan([(*decode, a), (*decode, a)]) == [[0, 2, 37 * 16]]
+    decode = (600, 1)  # 37.5 pages seen: 37 whole pages, 18 whole chunks of 32 keys
+    assert plan([(*decode, a), (*decode, a)]) == [[0, 2, 36 * 16]]
     # Two prompts, two runs; a lone request shares nothing.
     assert plan([(*decode, a), (*decode, a), (*decode, b), (*decode, b), (*decode, a)]) == [
-        [0, 2, 37 * 16],
-        [2, 4, 37 * 16],
+        [0, 2, 36 * 16],
+        [2, 4, 36 * 16],
     ]
     # A run shares what all its requests have in common, and what every row of each sees:
     # the prefill chunk's queries start at key 130, so only 8 whole pages are in the past.
@@ -320,8 +323,8 @@ def test_shared_prefix_runs() -> None:
     assert plan([(*decode, a), (*decode, a[:7] + b[7:])]) == []
     # A request with no rows this step ends the run.
     assert plan([(*decode, a), (*decode, a), (600, 0, a), (*decode, a), (*decode, a)]) == [
-        [0, 2, 37 * 16],
-        [3, 5, 37 * 16],
+        [0, 2, 36 * 16],
+        [3, 5, 36 * 16],
     ]
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine.attention.flashinfer_backend import FlashInferAttentionBackend
+from engine.attention.metadata import build_attention_metadata
 from engine.attention.native_backend import NativeCpuAttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
 from tests.engine.attention.test_native_attention import (
@@ -76,6 +77,38 @@ def test_native_kernel(dtype: torch.dtype, block_size: int, isa: str) -> None:
         max_diff = max_diff_to_dense(pc, out, window)
         print(f"{isa} {dtype} bs={block_size} window {window}: {max_diff:.2e}")
         assert max_diff < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("isa", isa_params())
+@pytest.mark.parametrize("block_size", [8, 16, 24])
+def test_a_windowed_prompt_gives_the_same_rows_whole_or_in_chunks(
+    block_size: int, isa: str
+) -> None:
+    """A row's walk over its window starts on a whole page and a whole chunk of keys, so the
+    same row sums its keys in the same chunks wherever the prompt was cut into prefill
+    chunks, or the rows into work items: bit for bit the same. (Started on a page only, the
+    chunk grid of a row moved with the cut where pages are smaller than chunks.)"""
+    prompt, cut, window = 150, 56, 40
+    pc = make_case([(0, prompt)], 9, 3, 64, block_size, torch.float32, seed=6)
+    md, (k_cache, v_cache) = pc.metadata, pc.kv_cache[LAYER]
+    backend = NativeCpuAttentionBackend(pc.kv_cache, 9, 64**-0.5, layer_windows(window))
+    backend.plan(md)
+    backend.forward(LAYER, pc.q, pc.k, pc.v)  # writes the whole prompt's K/V
+
+    def attend(computed: int, new: int) -> torch.Tensor:
+        pages = md.kv_indices[: -(-(computed + new) // block_size)].tolist()
+        chunk = build_attention_metadata([computed], [new], [pages], block_size)
+        out = torch.empty_like(pc.q[computed : computed + new])
+        torch.ops.pagedserve.paged_attention(
+            out, pc.q[computed : computed + new], k_cache, v_cache, chunk.qo_indptr,
+            chunk.kv_indptr, chunk.kv_indices, chunk.kv_last_page_len, 64**-0.5, isa, window,
+        )  # fmt: skip
+        return out
+
+    whole = attend(0, prompt)
+    assert max_diff_to_dense(pc, whole, window) < TOLERANCE[torch.float32]
+    for computed in (cut, cut + 5):
+        assert torch.equal(attend(computed, prompt - computed), whole[computed:])
 
 
 def test_native_kernel_refuses_a_negative_window() -> None:
