@@ -13,9 +13,11 @@ wall time that the kernels' profiled time does not cover, bounds the rest from b
 the shares bound it from above. Native ops are filed by their own name (`paged_attention`
 under attention; the decoder layer op, its norms and SiLU under the rest of the forward).
 `--layers python` drops the native decoder-layer op (engine/models/fused_layers.py), which
-is how the layers ran before it. Output processing here is the LLM's; the HTTP server's
-share is the difference between a served ITL and the step time printed here. Not a test:
-nothing is asserted.
+is how the layers ran before it. The native layers also count their kernels' wall time in
+the unprofiled run (pagedserve::kernel_time_ns): `attention_ms_per_step` is attention's,
+without the profiler's cost. Output processing here is the LLM's; the
+HTTP server's share is the difference between a served ITL and the step time printed here.
+Not a test: nothing is asserted.
 """
 
 from __future__ import annotations
@@ -120,9 +122,11 @@ def profile_workload(llm: LLM, name: str) -> dict[str, Any]:
     run(llm, batch[:together], 4, together)  # warm-up
     if not cached:
         llm.reset_prefix_cache()
+    torch.ops.pagedserve.kernel_time_ns(True)
     start = time.perf_counter()
     steps = run(llm, batch, output_len, together)
     elapsed = time.perf_counter() - start
+    kernels_ns, attention_ns = torch.ops.pagedserve.kernel_time_ns(False)
     if not cached:
         llm.reset_prefix_cache()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -139,6 +143,10 @@ def profile_workload(llm: LLM, name: str) -> dict[str, Any]:
         # against the unprofiled wall time bounds it from the other side (noisy: the two
         # runs are separate).
         "outside_kernels_vs_wall": max(0.0, 1 - kernels / elapsed),
+        # The native decoder layers' own count in the unprofiled run (0 with --layers
+        # python): their linears and attention, and attention alone, per step.
+        "layer_kernels_ms_per_step": 1e-6 * kernels_ns / steps,
+        "attention_ms_per_step": 1e-6 * attention_ns / steps,
     }
 
 
@@ -170,6 +178,7 @@ def main() -> None:
         result = profile_workload(llm, name)
         cells = "  ".join(f"{k} {100 * v:.0f}%" for k, v in result["shares"].items())
         cells += f"  | outside kernels vs wall {100 * result['outside_kernels_vs_wall']:.0f}%"
+        cells += f"  | in-step attention {result['attention_ms_per_step']:.2f} ms"
         print(
             f"{name:14s} {result['ms_per_step']:7.2f} ms/step  "
             f"{result['output_tok_per_s']:7.1f} tok/s  {cells}",
