@@ -13,9 +13,10 @@
 //   max(a, b), reduce_max(x), reduce_add(x)   lane-wise max; the lanes' max and sum (the
 //                         sum in a fixed order)
 //   transpose_sum(v[W])   lane j = reduce_add-like sum of v[j]
-//   kBf16Dot, dot_bf16,   where the set has a bf16 dot product (AVX512_BF16): scores of
-//   accumulate_bf16       bf16 rows, and p.V with p rounded to bf16, without widening
-//                         them; acc stays in natural lane order
+//   kBf16Dot,             where the set has a bf16 dot product (AVX512_BF16): a chunk's
+//   transpose_pairs,      bf16 keys transposed once a head to keys as lanes, the scores of
+//   dot_pairs,            a block of query vectors against them, and p.V with p rounded
+//   accumulate_bf16       to bf16; nothing widened, acc in natural lane order
 //
 // simd_portable.h (VecGeneric, VecScalar), simd_avx2.h (Vec256) and simd_avx512.h
 // (Vec512, Vec512Bf16) define them; attention_kernels.cpp picks one per set and head size.
@@ -26,7 +27,9 @@
 // keys are widened to float32 once, into scratch, for all query vectors of each head,
 // unless they can be read where they lie (float32 rows of a one-head item, or bf16 rows
 // with the bf16 dot product). Each query vector's scores of W keys are W vectors of
-// partial sums over head_dim, then one transposing sum. Values are read in slices of SV
+// partial sums over head_dim, then one transposing sum; with the bf16 dot product, a
+// chunk's keys are transposed into scratch instead (keys as lanes, pairs of elements as
+// rows), which serves every query vector of the head. Values are read in slices of SV
 // vectors, each multiplied into the accumulators of MB query vectors held in registers.
 // Every query vector's arithmetic is the same whatever else is in its item (register block,
 // other heads, other rows), so a request gives the same result alone, in a batch, or after
@@ -155,7 +158,7 @@ class AttentionItem {
   static_assert(kChunk % W == 0);
   static constexpr bool kFloat = std::is_same_v<T, float>;
   static constexpr bool kDotBf16 = V::kBf16Dot && std::is_same_v<T, c10::BFloat16>;
-  using K = std::conditional_t<kDotBf16, c10::BFloat16, float>;  // keys as scored
+  using K = float;  // keys as scored by dot_keys (bf16 ones go through dot_pairs)
   // bf16 values through the dot product, in slices of NB blocks of 32 values.
   static constexpr bool kDotValues = kDotBf16 && DV > 0 && DV % 2 == 0;
   static constexpr int NB = DV % 4 == 0 ? 2 : 1;
@@ -165,6 +168,9 @@ class AttentionItem {
   static constexpr int SV = DV > 0 && DV % 4 == 0 ? 4 : DV > 0 && DV % 2 == 0 ? 2 : 1;
   static constexpr int kBlockFloat = std::clamp(V::kAccRegs / SV, 1, 4);
   static constexpr int kBlockWide = std::clamp(V::kAccRegs / SV - 1, 1, 4);
+  // Query vectors scored together against a chunk's transposed keys: each key load serves
+  // all of them (4 x kGroups x 2 accumulators).
+  static constexpr int kScoreBlock = kDotBf16 ? 4 : 1;
 
  public:
   AttentionItem(const Problem<T>& pb, const WorkItem& it, Scratch& s)
@@ -253,11 +259,7 @@ class AttentionItem {
 
   // Lane j: query vector m of head hl against key row k[j].
   F scores(int64_t hl, int64_t m, const ChunkRows<K>& k) const {
-    if constexpr (kDotBf16) {
-      return V::template dot_bf16<DV>(query(hl, m), k, NV_);
-    } else {
-      return dot_keys<V, DV>(&s_.q[(hl * M_ + m) * D_], k, NV_);
-    }
+    return dot_keys<V, DV>(&s_.q[(hl * M_ + m) * D_], k, NV_);
   }
 
   // Scores of head hl's query vectors against the chunk's keys; updates the running max
@@ -269,33 +271,71 @@ class AttentionItem {
     int64_t raw_rows[kChunk];
     std::copy_n(rows, n, raw_rows);
     std::fill(raw_rows + n, raw_rows + kChunk, raw_rows[0]);
+    if constexpr (kDotBf16) {
+      V::transpose_pairs(ChunkRows<c10::BFloat16>{pb_.k_cache + hl * D_, raw_rows, 0}, D_ / 2,
+                         transposed_keys());
+    }
+    for_register_blocks<kScoreBlock>(hl * M_, (hl + 1) * M_, [&](auto mb, int64_t m) {
+      softmax_vectors<kRaw, decltype(mb)::value>(hl, raw_rows, c, n, m);
+    });
+  }
+
+  int32_t* transposed_keys() const { return reinterpret_cast<int32_t*>(s_.kt.data()); }
+
+  // softmax_chunk for query vectors m0..m0 + MS: their scores, then their updates.
+  template <bool kRaw, int MS>
+  PAGEDSERVE_INLINE void softmax_vectors(int64_t hl, const int64_t* raw_rows, int64_t c, int n,
+                                         int64_t m0) {
     const F scale = V::set1(pb_.scale);
-    for (int64_t m = hl * M_; m < (hl + 1) * M_; ++m) {
-      const int64_t row = row_of(m - hl * M_);
-      const int cnt = visible_keys(keys_, sp_.computed, row, c, n);
+    int visible[MS], past[MS];
+#pragma GCC unroll 4
+    for (int i = 0; i < MS; ++i) {
+      const int64_t row = row_of(m0 + i - hl * M_);
+      visible[i] = visible_keys(keys_, sp_.computed, row, c, n);
       // The row sees keys before..cnt of the chunk; before > 0 only with a sliding window.
-      const int before =
-          keys_.shared ? 0 : keys_before_window(pb_.window, sp_.computed, row, c, n);
+      past[i] = keys_.shared ? 0 : keys_before_window(pb_.window, sp_.computed, row, c, n);
+    }
+    F sc[MS][kGroups];
+    if constexpr (kDotBf16) {
+      const c10::BFloat16* q[MS];
+#pragma GCC unroll 4
+      for (int i = 0; i < MS; ++i) q[i] = query(hl, m0 + i - hl * M_);
+      V::template dot_pairs<MS, kGroups>(q, transposed_keys(), D_ / 2, sc);
+    } else {
+#pragma GCC unroll 4
+      for (int i = 0; i < MS; ++i) {
+        if (visible[i] <= past[i]) continue;
+#pragma GCC unroll 16
+        for (int g = 0; g < kGroups; ++g) {
+          sc[i][g] = scores(hl, m0 + i - hl * M_, chunk_keys<kRaw>(hl, raw_rows, g * W));
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < MS; ++i) {
+      const int64_t m = m0 + i;
+      const int cnt = visible[i], before = past[i];
       F p[kGroups];
 #pragma GCC unroll 16
       for (int g = 0; g < kGroups; ++g) p[g] = V::zero();
       s_.alpha[m] = 1.0f;
       if (cnt > before) {  // else the whole chunk is in this row's future or past
-        F sc[kGroups];
         F highest = V::set1(kNegInf);
 #pragma GCC unroll 16
         for (int g = 0; g < kGroups; ++g) {
-          sc[g] = V::mul(scores(hl, m - hl * M_, chunk_keys<kRaw>(hl, raw_rows, g * W)), scale);
+          sc[i][g] = V::mul(sc[i][g], scale);
           // Scores before the window are pushed far below any the row sees, which leaves
           // the max to those (the chunk has one), and their exp to 0 after the mask below.
-          if (before > 0) sc[g] = V::sub(sc[g], V::keep_first(V::set1(kFarBelow), before - g * W));
-          highest = V::max(highest, V::low_first(sc[g], cnt - g * W));
+          if (before > 0) {
+            sc[i][g] = V::sub(sc[i][g], V::keep_first(V::set1(kFarBelow), before - g * W));
+          }
+          highest = V::max(highest, V::low_first(sc[i][g], cnt - g * W));
         }
         const float mx = std::max(s_.row_max[m], V::reduce_max(highest));
         F total = V::zero();
 #pragma GCC unroll 16
         for (int g = 0; g < kGroups; ++g) {
-          p[g] = V::keep_first(V::exp(V::sub(sc[g], V::set1(mx))), cnt - g * W);
+          p[g] = V::keep_first(V::exp(V::sub(sc[i][g], V::set1(mx))), cnt - g * W);
           if (before > 0) p[g] = V::sub(p[g], V::keep_first(p[g], before - g * W));
           total = V::add(total, p[g]);
         }

@@ -121,43 +121,86 @@ struct Vec512 {
 struct Vec512Bf16 : Vec512 {
   static constexpr bool kBf16Dot = true;
 
-  // Lane j: q . k[j] (a ChunkRows) over `vecs` * 16 bf16 elements (vecs may be odd: the
-  // last block of 32 is then half, zero-extended), as float32 partial sums then
-  // transpose_sum.
-  template <int DV, class Rows>
-  PAGEDSERVE_INLINE static F dot_bf16(const c10::BFloat16* q, const Rows& k, int64_t vecs) {
-    constexpr int kMaxBlocks = 8;  // head_dim up to 256 holds q in registers
-    F acc[W];
-    if constexpr (DV > 0 && (DV + 1) / 2 <= kMaxBlocks) {
-      constexpr int NB = (DV + 1) / 2;
-      __m512i qb[NB];
+  // Keys as lanes: kt[p * kChunk + j] = pair p (elements 2p and 2p + 1) of key row k[j],
+  // for the chunk's kChunk rows and `pairs` pairs a row (a multiple of 8). One load of kt
+  // then holds 16 keys' values at one pair of elements, a vdpbf16ps operand as it is, so a
+  // score needs no sum across lanes. Transposed 16 x 16 pairs at a time.
+  template <class Rows>
+  PAGEDSERVE_INLINE static void transpose_pairs(const Rows& k, int64_t pairs, int32_t* kt) {
+    for (int g = 0; g < kChunk / 16; ++g) {
+      for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
+        const int cnt = static_cast<int>(std::min<int64_t>(16, pairs - p0));
+        const __mmask16 mask = first_lanes(cnt);
+        __m512i r[16], t[16];
 #pragma GCC unroll 16
-      for (int b = 0; b < NB; ++b) qb[b] = block(q + 32 * b, 2 * b + 1 == DV);
-#pragma GCC unroll 16
-      for (int j = 0; j < W; ++j) {
-        const c10::BFloat16* row = k[j];
-        __m512 sum = _mm512_setzero_ps();
-#pragma GCC unroll 16
-        for (int b = 0; b < NB; ++b) {
-          const __m512i kb = block(row + 32 * b, 2 * b + 1 == DV);
-          sum = _mm512_dpbf16_ps(sum, (__m512bh)qb[b], (__m512bh)kb);
+        for (int i = 0; i < 16; ++i) r[i] = _mm512_maskz_loadu_epi32(mask, k[16 * g + i] + 2 * p0);
+        // Within each 128-bit lane (pairs 4L..4L + 3): t[2i], t[2i + 1] interleave rows 2i
+        // and 2i + 1; then r[4i + e] holds pair 4L + e of rows 4i..4i + 3.
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) {
+          t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+          t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
         }
-        acc[j] = sum;
-      }
-    } else {
-      const int64_t nv = DV > 0 ? DV : vecs, blocks = (nv + 1) / 2;
-#pragma GCC unroll 16
-      for (int j = 0; j < W; ++j) acc[j] = _mm512_setzero_ps();
-      for (int64_t b = 0; b < blocks; ++b) {
-        const bool half = 2 * b + 1 == nv;
-        const __m512i qb = block(q + 32 * b, half);
-#pragma GCC unroll 16
-        for (int j = 0; j < W; ++j) {
-          acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)qb, (__m512bh)block(k[j] + 32 * b, half));
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) {
+          r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+          r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+          r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+          r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+        }
+        // Pair 4L + e of all 16 rows: lane L of r[e], r[4 + e], r[8 + e], r[12 + e].
+#pragma GCC unroll 4
+        for (int e = 0; e < 4; ++e) {
+          const __m512i x0 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0x44);
+          const __m512i x1 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0xEE);
+          const __m512i y0 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0x44);
+          const __m512i y1 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0xEE);
+          const __m512i lanes[4] = {
+              _mm512_shuffle_i32x4(x0, y0, 0x88), _mm512_shuffle_i32x4(x0, y0, 0xDD),
+              _mm512_shuffle_i32x4(x1, y1, 0x88), _mm512_shuffle_i32x4(x1, y1, 0xDD)};
+#pragma GCC unroll 4
+          for (int L = 0; L < 4; ++L) {
+            const int p = 4 * L + e;
+            if (p < cnt) _mm512_storeu_si512(kt + (p0 + p) * kChunk + 16 * g, lanes[L]);
+          }
         }
       }
     }
-    return transpose_sum(acc);
+  }
+
+  // out[i][g], lane j: q[i] . (key 16 g + j) for MS query vectors of `pairs` bf16 pairs
+  // against transpose_pairs' keys. Each lane sums the even pairs in order and the odd pairs
+  // in order, then the two: the same arithmetic for a query vector whatever MS.
+  template <int MS, int G>
+  PAGEDSERVE_INLINE static void dot_pairs(const c10::BFloat16* const (&q)[MS],
+                                          const int32_t* kt, int64_t pairs, F (&out)[MS][G]) {
+    F acc[MS][G][2];
+#pragma GCC unroll 4
+    for (int i = 0; i < MS; ++i) {
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) acc[i][g][0] = acc[i][g][1] = _mm512_setzero_ps();
+    }
+    for (int64_t p = 0; p < pairs; p += 2) {
+#pragma GCC unroll 2
+      for (int s = 0; s < 2; ++s) {
+        __m512i kv[G];
+#pragma GCC unroll 4
+        for (int g = 0; g < G; ++g) kv[g] = _mm512_loadu_si512(kt + (p + s) * kChunk + 16 * g);
+#pragma GCC unroll 4
+        for (int i = 0; i < MS; ++i) {
+          int32_t pair;
+          std::memcpy(&pair, q[i] + 2 * (p + s), sizeof(pair));
+          const __m512bh qq = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+          for (int g = 0; g < G; ++g) acc[i][g][s] = _mm512_dpbf16_ps(acc[i][g][s], qq, (__m512bh)kv[g]);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < MS; ++i) {
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) out[i][g] = _mm512_add_ps(acc[i][g][0], acc[i][g][1]);
+    }
   }
 
   // acc[mm] = acc[mm] * alpha[mm] + sum_j p[mm][j] * v[j] over the 32 * NB values at d0,
@@ -216,11 +259,6 @@ struct Vec512Bf16 : Vec512 {
     }
   }
 
- private:
-  static __m512i block(const c10::BFloat16* p, bool half) {
-    if (!half) return _mm512_loadu_si512(p);
-    return _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  }
 };
 #endif  // __AVX512BF16__
 
