@@ -36,9 +36,20 @@ def metric(url: str, name: str, **labels: str) -> float:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct ports free now (each socket stays bound until all are picked, so two
+    calls in a row cannot return the same port); whoever binds them later may still race."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def wait_ready(
@@ -62,15 +73,22 @@ class LiveServer:
     """uvicorn serving create_app(engine, settings) on a free port, in a thread."""
 
     def __init__(self, engine: AsyncLLM, **settings: Any) -> None:
-        self.settings = ServerSettings(host="127.0.0.1", port=free_port(), **settings)
+        # The listening socket is bound here and handed to uvicorn: a port picked first and
+        # bound later can be taken in between (another test's connection, under xdist).
+        self.socket = socket.socket()
+        self.socket.bind(("127.0.0.1", 0))
+        port = int(self.socket.getsockname()[1])
+        self.settings = ServerSettings(host="127.0.0.1", port=port, **settings)
         self.app = create_app(engine, self.settings)
         self.engine = engine
         config = uvicorn.Config(
-            self.app, host="127.0.0.1", port=self.settings.port, log_level="warning", lifespan="on"
+            self.app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"
         )
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.url = f"http://127.0.0.1:{self.settings.port}"
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True
+        )
+        self.url = f"http://127.0.0.1:{port}"
 
     @property
     def state(self) -> AppState:
@@ -121,6 +139,7 @@ class LiveServer:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+        self.socket.close()
 
 
 class ServerProcess:

@@ -24,7 +24,7 @@ from engine.kv_events.publisher import ZmqEventPublisher, consecutive_from, repl
 from engine.kv_events.recorder import KVEventRecorder, external_hash
 from engine.request import Request
 from tests.kv_events_subscriber import ReplayError, Subscriber, llmd_replay, replay_index
-from tests.server.live import free_port
+from tests.server.live import free_ports
 from tests.tiny_models import make_tiny_model
 
 B = 4
@@ -167,7 +167,10 @@ def test_batch_layout() -> None:
 
 
 def endpoints() -> tuple[str, str]:
-    return f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    """The publisher's and its replay socket's: two distinct ports (two free_port() calls
+    could return the same one)."""
+    publish, replay = free_ports(2)
+    return f"tcp://127.0.0.1:{publish}", f"tcp://127.0.0.1:{replay}"
 
 
 def test_publish_never_blocks_on_a_stuck_sender(monkeypatch: pytest.MonkeyPatch) -> None:
