@@ -24,6 +24,18 @@ from engine.models.hf_config import (
 from engine.pooling import TASKS, PoolerConfig, read_pooler_config, resolve_task
 from engine.spec_decode import SpeculativeConfig, parse_speculative_config
 
+# With a dense copy of the weights (--quantization-dense-copy), steps with more rows than
+# this use it in engine/models (dequantizing on every step costs milliseconds per layer:
+# benchmarks/quant_kernels.py). Here, so that the flags' help and `pagedserve info` say it.
+# The quantized kernel reads a third of the dense copy's bytes, and a step's weights
+# stream from memory: offline decode steps of the default Q4_1
+# model on a 2-core Zen 5 VM, this at 4 against 8 (separate processes, alternating, two
+# rounds of three), 6 streams 10.5-12.4 against 7.0-8.7 ms, 8 streams 12.0-12.5 against
+# 8.8-10.9 ms, with the AVX-512 BF16, AVX-512 and AVX2 kernels alike; at 12 streams the two
+# paths were even and at 16 the dense copy won (15.1-16.5 against 17.3-18.4 ms).
+DENSE_COPY_ROWS = 8
+
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu-native", "flashinfer")
@@ -151,7 +163,8 @@ class EngineArgs:
     )
     quantization_dense_copy: bool = _arg(
         True,
-        "quantized weights also kept dequantized in --dtype, for steps of more than 8 tokens "
+        "quantized weights also kept dequantized in --dtype, for steps of more than "
+        f"{DENSE_COPY_ROWS} tokens "
         "(prefill, batched decode), where a dense GEMM is faster; costs the float weights' "
         "memory on top of the quantized ones",
     )
@@ -240,7 +253,7 @@ class QuantConfig:
     dense_copy: bool = False  # also the weights dequantized, for steps of many tokens
 
     def describe(self) -> str:
-        copy = ", dense copy for steps of over 8 tokens" if self.dense_copy else ""
+        copy = f", dense copy for steps of over {DENSE_COPY_ROWS} tokens" if self.dense_copy else ""
         if self.method == "int4":
             head = ", LM head too" if self.lm_head else ""
             return f"int4 (groups of {self.group_size}){head}{copy}"

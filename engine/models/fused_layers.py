@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 
+from engine.config import DENSE_COPY_ROWS
 from engine.models.layers import MLP, Linear
 from engine.models.lora_layers import LoRAStep
-from engine.models.quantized import DENSE_COPY_ROWS, MAX_KERNEL_ROWS
+from engine.models.quantized import MAX_KERNEL_ROWS
 from engine.ops.loader import native_kernels
 
 _DENSE, _PACKED, _QUANTIZED, _TILED = 0, 1, 2, 3

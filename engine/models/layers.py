@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.config import DENSE_COPY_ROWS
 from engine.models.quantized import (
-    DENSE_COPY_ROWS,
     QuantizedWeight,
     TiledWeight,
     dequantize,

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionBackend
+from engine.config import DENSE_COPY_ROWS
 from engine.models.arch import ModelArch
 from engine.models.fused_layers import (
     FusedLayers,
@@ -31,7 +32,6 @@ from engine.models.layers import (
 from engine.models.lora_layers import LoRAStep
 from engine.models.moe import SparseMoE, grouped_gemm_runs
 from engine.models.quantized import (
-    DENSE_COPY_ROWS,
     QuantizedWeight,
     TiledWeight,
     dequantize,

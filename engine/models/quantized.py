@@ -171,15 +171,8 @@ def from_gguf(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> Quanti
 TILE = 16
 # Steps with more rows than this dequantize the weight and run a dense GEMM instead.
 MAX_KERNEL_ROWS = 16
-# With a dense copy of the weights (--quantization-dense-copy), steps with more rows than
-# this use it (dequantizing on every step costs milliseconds per layer:
-# benchmarks/quant_kernels.py). The quantized kernel reads a third of the dense copy's
-# bytes, and a step's weights stream from memory: offline decode steps of the default Q4_1
-# model on a 2-core Zen 5 VM, this at 4 against 8 (separate processes, alternating, two
-# rounds of three), 6 streams 10.5-12.4 against 7.0-8.7 ms, 8 streams 12.0-12.5 against
-# 8.8-10.9 ms, with the AVX-512 BF16, AVX-512 and AVX2 kernels alike; at 12 streams the two
-# paths were even and at 16 the dense copy won (15.1-16.5 against 17.3-18.4 ms).
-DENSE_COPY_ROWS = 8
+# Steps with more rows than DENSE_COPY_ROWS (engine/config.py: the flags' help and
+# `pagedserve info` state it) run on the dense copy of the weights where there is one.
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import QuantConfig
+from engine.config import DENSE_COPY_ROWS, QuantConfig
 from engine.models.layers import Linear
 from engine.models.llama import DecoderModel
 from engine.models.loader import load_model
-from engine.models.quantized import DENSE_COPY_ROWS, MAX_KERNEL_ROWS, dequantize
+from engine.models.quantized import MAX_KERNEL_ROWS, dequantize
 from tests.tiny_models import make_tiny_model
 
 

@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.config import DENSE_COPY_ROWS
 from engine.models import fused_layers
 from engine.models.arch import ModelArch
 from engine.models.layers import Linear
 from engine.models.moe import SparseMoE
 from engine.models.quantized import (
-    DENSE_COPY_ROWS,
     dequantize_reference,
     quantize_int4,
     quantize_int8,
