@@ -2,7 +2,7 @@
 Q8_0 kept as they are stored.
 
 One block-quantized format serves all of them (the layout of
-engine/ops/csrc/quant_linear_cpu.cpp): weights in blocks of 32 along K, float16 scales (and
+engine/ops/csrc/quant_kernels.cpp): weights in blocks of 32 along K, float16 scales (and
 mins, for 4 bits) per group of `group_size` weights.
 
     format                      bits  group  value
@@ -178,9 +178,11 @@ MAX_KERNEL_ROWS = 16
 @dataclass(frozen=True)
 class TiledWeight:
     """A QuantizedWeight repacked for the CPU kernel: 16 output rows per tile (see the layout
-    in engine/ops/csrc/quant_linear_cpu.cpp); N is padded to whole tiles with zeros."""
+    in engine/ops/csrc/quant_kernels.cpp); N is padded to whole tiles with zeros."""
 
-    qweight: torch.Tensor  # 4-bit: uint8 (tiles, K/32, 16, 16); 8-bit: int8 (tiles, K/32, 32, 16)
+    # 4-bit: uint8 (tiles, K/32, 4, 16, 4) viewed as (tiles, K/32, 16, 16); 8-bit: int8
+    # (tiles, K/32, 32, 16)
+    qweight: torch.Tensor
     scales: torch.Tensor  # float16 (tiles, K / group_size, 16)
     mins: torch.Tensor | None
     bits: int
@@ -219,8 +221,10 @@ def pack_tiles(weight: QuantizedWeight) -> TiledWeight:
         packed = q.permute(0, 2, 3, 1).contiguous()
     else:
         q = rows_padded(unpack_nibbles(weight.qweight))
-        # (tile, half, a, block, pair, parity): row = half * 8 + a, k = 2 * pair + parity.
-        q = q.view(tiles, 2, 8, blocks, BLOCK // 2, 2).permute(0, 3, 4, 2, 5, 1)
+        # (tile, row, block, octet, high, low, parity): k = 8 octet + 2 (2 high + low) +
+        # parity. A row's 8 weights of an octet fill 4 bytes, bytes 2 parity + high holding
+        # low = 0 in their low nibble and low = 1 in their high one.
+        q = q.view(tiles, TILE, blocks, BLOCK // 8, 2, 2, 2).permute(0, 2, 3, 1, 6, 4, 5)
         packed = (q[..., 0] | (q[..., 1] << 4)).reshape(tiles, blocks, BLOCK // 2, TILE)
     mins = None if weight.mins is None else per_tile(weight.mins)
     return TiledWeight(

@@ -175,7 +175,7 @@ struct SiluAndMulRows {
 // 16 output rows per tile, blocks of 32 weights along K, float16 scales (and mins) per
 // group of `group` weights.
 struct QuantWeight {
-  const uint8_t* q;     // 4-bit: (tiles, K/32, 16, 16) bytes; 8-bit: (tiles, K/32, 32, 16)
+  const uint8_t* q;     // 4-bit: (tiles, K/32, 4, 16, 4) bytes; 8-bit: (tiles, K/32, 32, 16)
   const c10::Half* d;   // (tiles, K / group, 16)
   const c10::Half* m;   // (tiles, K / group, 16), 4-bit only
   int64_t N, K, group;
@@ -195,8 +195,29 @@ struct QuantWeight {
     const int64_t row = n % kTile, kk = k % kBlock;
     const uint8_t* blk = block(n / kTile, k / kBlock);
     if (bits == 8) return static_cast<int8_t>(blk[kk * kTile + row]);
-    const uint8_t byte = blk[(kk / 2) * kTile + 2 * (row % 8) + kk % 2];
-    return row < 8 ? (byte & 0x0F) : (byte >> 4);
+    // The row's 32-bit word of octet kk / 8 (little-endian), k = 8 octet + 2 s + parity at
+    // bits 4 s + 16 parity.
+    uint32_t word;
+    std::memcpy(&word, blk + kk / 8 * 4 * kTile + 4 * row, sizeof(word));
+    const int64_t j = kk % 8;
+    return static_cast<int>((word >> (4 * (j / 2) + 16 * (j % 2))) & 0x0F);
+  }
+  // The 32 integers of row n in block b, k ascending: value(n, 32 b + i) for each i, read
+  // a word (4 bits) or a byte (8 bits) at a time.
+  void block_values(int64_t n, int64_t b, int* out) const {
+    const int64_t row = n % kTile;
+    const uint8_t* blk = block(n / kTile, b);
+    if (bits == 8) {
+      for (int64_t kk = 0; kk < kBlock; ++kk) out[kk] = static_cast<int8_t>(blk[kk * kTile + row]);
+      return;
+    }
+    for (int64_t octet = 0; octet < kBlock / 8; ++octet) {
+      uint32_t word;
+      std::memcpy(&word, blk + octet * 4 * kTile + 4 * row, sizeof(word));
+      for (int64_t j = 0; j < 8; ++j) {
+        out[8 * octet + j] = static_cast<int>((word >> (4 * (j / 2) + 16 * (j % 2))) & 0x0F);
+      }
+    }
   }
   float scale(int64_t n, int64_t g) const {
     return static_cast<float>(d[(n / kTile * groups() + g) * kTile + n % kTile]);

@@ -8,8 +8,8 @@
 //   lane r of `lo` (32 bits) = (w[r, k], w[r, k + 1]),  lane r of `hi` = rows 8 + r
 //
 //   8-bit: k's 16 bytes, then k + 1's: interleaving the two gives rows 0..7 then 8..15;
-//   4-bit: the pair's 16 bytes already alternate k and k + 1 per row, rows 0..7 in the low
-//          nibbles and 8..15 in the high ones.
+//   4-bit: the octet's 64 bytes are rows 0..7's 32-bit words then rows 8..15's, and a word
+//          shifted right by 4s and masked with 0x000F000F is the pair at k = 8 octet + 2s.
 //
 // bfloat16 input runs the integer path: x as int16 with a power-of-two scale per block
 // (QuantRows::xq), one vpmaddwd per 8 rows and pair of k, and the block's int32 sums (exact:
@@ -32,11 +32,11 @@ inline void unpack_pairs(const uint8_t* blk, int64_t pair, __m256i* lo, __m256i*
     *lo = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(k0, k1));
     *hi = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(k0, k1));
   } else {
-    // Each byte widened to a word is low | high << 4: a mask and a shift split the rows.
-    const __m256i words = _mm256_cvtepu8_epi16(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + pair * kTile)));
-    *lo = _mm256_and_si256(words, _mm256_set1_epi16(0x0F));
-    *hi = _mm256_srli_epi16(words, 4);
+    const auto* octet = reinterpret_cast<const __m256i*>(blk + pair / 4 * 4 * kTile);
+    const int shift = 4 * static_cast<int>(pair % 4);
+    const __m256i nibbles = _mm256_set1_epi32(0x000F000F);
+    *lo = _mm256_and_si256(_mm256_srli_epi32(_mm256_loadu_si256(octet), shift), nibbles);
+    *hi = _mm256_and_si256(_mm256_srli_epi32(_mm256_loadu_si256(octet + 1), shift), nibbles);
   }
 }
 
@@ -93,17 +93,20 @@ void tile_int_avx2(const QuantWeight& w, int64_t t, const QuantRows& a, QuantOut
       prefetch_block(w, blk);
       const int16_t* xq = a.xq + b * QuantWeight::kBlock;
       for (int64_t r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
+      for (int64_t quad = 0; quad < QuantWeight::kBlock / 8; ++quad) {
 #pragma GCC unroll 4
-      for (int64_t pair = 0; pair < QuantWeight::kBlock / 2; ++pair) {
-        __m256i lo, hi;
-        unpack_pairs<Bits>(blk, pair, &lo, &hi);
+        for (int64_t p = 0; p < 4; ++p) {
+          const int64_t pair = 4 * quad + p;  // pair % 4 == p, known while compiling
+          __m256i lo, hi;
+          unpack_pairs<Bits>(blk, pair, &lo, &hi);
 #pragma GCC unroll 8
-        for (int64_t r = 0; r < R; ++r) {
-          int32_t x_pair;
-          std::memcpy(&x_pair, xq + r * w.K + 2 * pair, sizeof(x_pair));
-          const __m256i xv = _mm256_set1_epi32(x_pair);
-          sum[r][0] = _mm256_add_epi32(sum[r][0], _mm256_madd_epi16(lo, xv));
-          sum[r][1] = _mm256_add_epi32(sum[r][1], _mm256_madd_epi16(hi, xv));
+          for (int64_t r = 0; r < R; ++r) {
+            int32_t x_pair;
+            std::memcpy(&x_pair, xq + r * w.K + 2 * pair, sizeof(x_pair));
+            const __m256i xv = _mm256_set1_epi32(x_pair);
+            sum[r][0] = _mm256_add_epi32(sum[r][0], _mm256_madd_epi16(lo, xv));
+            sum[r][1] = _mm256_add_epi32(sum[r][1], _mm256_madd_epi16(hi, xv));
+          }
         }
       }
       for (int64_t r = 0; r < R; ++r) {
@@ -129,17 +132,21 @@ void tile_f32_avx2(const QuantWeight& w, int64_t t, const QuantRows& a, QuantOut
       const uint8_t* blk = w.block(t, b);
       prefetch_block(w, blk);
       const float* x = a.x + b * QuantWeight::kBlock;
-      for (int64_t pair = 0; pair < QuantWeight::kBlock / 2; ++pair) {
-        __m256i halves[2];
-        unpack_pairs<Bits>(blk, pair, &halves[0], &halves[1]);
-        for (int h = 0; h < 2; ++h) {
-          // Each lane's low int16 is k's weight, its high one k + 1's.
-          const __m256 even = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(halves[h], 16), 16));
-          const __m256 odd = _mm256_cvtepi32_ps(_mm256_srai_epi32(halves[h], 16));
-          for (int64_t r = 0; r < R; ++r) {
-            const float* xr = x + r * w.K + 2 * pair;
-            part[r][h] = _mm256_fmadd_ps(even, _mm256_set1_ps(xr[0]), part[r][h]);
-            part[r][h] = _mm256_fmadd_ps(odd, _mm256_set1_ps(xr[1]), part[r][h]);
+      for (int64_t quad = 0; quad < QuantWeight::kBlock / 8; ++quad) {
+#pragma GCC unroll 4
+        for (int64_t p = 0; p < 4; ++p) {
+          const int64_t pair = 4 * quad + p;
+          __m256i halves[2];
+          unpack_pairs<Bits>(blk, pair, &halves[0], &halves[1]);
+          for (int h = 0; h < 2; ++h) {
+            // Each lane's low int16 is k's weight, its high one k + 1's.
+            const __m256 even = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(halves[h], 16), 16));
+            const __m256 odd = _mm256_cvtepi32_ps(_mm256_srai_epi32(halves[h], 16));
+            for (int64_t r = 0; r < R; ++r) {
+              const float* xr = x + r * w.K + 2 * pair;
+              part[r][h] = _mm256_fmadd_ps(even, _mm256_set1_ps(xr[0]), part[r][h]);
+              part[r][h] = _mm256_fmadd_ps(odd, _mm256_set1_ps(xr[1]), part[r][h]);
+            }
           }
         }
       }

@@ -12,16 +12,21 @@
 // and a vector's 16 float32 lanes are a tile's 16 rows, so a tile's outputs accumulate
 // lane-wise with no horizontal sums, and each unpacked weight vector serves every row of x.
 //
-//   8-bit  q: (N/16, K/32, 32, 16) int8   [tile][block][k in block][row in tile]
-//   4-bit  q: (N/16, K/32, 16, 16) uint8  [tile][block][k pair][byte]; byte 2a + p holds
-//             rows a (low nibble) and a + 8 (high nibble) at k = 2 * pair + p
+//   8-bit  q: (N/16, K/32, 32, 16) int8    [tile][block][k in block][row in tile]
+//   4-bit  q: (N/16, K/32, 4, 16, 4) uint8 [tile][block][octet][row in tile][byte]: a row's
+//             8 weights of an octet (k = 8 octet + j) in one 32-bit word, whose low 16 bits
+//             hold the even j and high 16 bits the odd j, a nibble each, in order:
+//
+//               bits 4s..4s+3 = q[8 octet + 2s],  bits 16+4s..19+4s = q[8 octet + 2s + 1]
+//
 //   d, m:     (N/16, K/group, 16) float16 [tile][group][row in tile]
 //
-// The 4-bit byte order is what AVX512-BF16 wants: broadcasting a pair's 16 bytes to both
-// halves of a ymm, shifting the second half right by 4 and masking gives 32 nibbles; widened
-// to 16-bit words and OR-ed into 0x4300 they are the bfloat16 numbers 128 + q (exact:
-// bfloat16's spacing at 128 is 1), and lane i of vdpbf16ps with the broadcast activation
-// pair (x[k], x[k+1]) adds row i's two products, each exact in float32. Then
+// So a 4-bit octet is 64 bytes, one AVX-512 vector, lane i row i, and (word >> 4s) & 0x000F000F
+// is row i's pair (q[k], q[k + 1]) at k = 8 octet + 2s as two 16-bit integers: what
+// AVX512-BF16 and AVX2's vpmaddwd want, with a shift and a mask and no shuffle. For
+// AVX512-BF16, OR-ing 0x4300 into each 16-bit half makes the bfloat16 numbers 128 + q
+// (exact: bfloat16's spacing at 128 is 1), and lane i of vdpbf16ps with the broadcast
+// activation pair (x[k], x[k+1]) adds row i's two products, each exact in float32. Then
 //
 //   sum_{k in g} w x = d * sum_{k in g} (128 + q) x + (m - 128 d) * xsum[g]
 //
@@ -157,55 +162,68 @@ inline void store_lanes(const QuantWeight& w, int64_t t, __m512 v,
 // ---------------------------------------------------------------------------------------
 // float32 path: per k, the tile's 16 weights as floats, times the broadcast x[k].
 
-// The 16 rows' weights at k = 2 * pair + p of a 4-bit block, widened to int32 lanes.
-inline void unpack4_pair(const uint8_t* pair_bytes, __m512i* even,
-                                                  __m512i* odd) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(pair_bytes));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i low = _mm_and_si128(raw, mask);                      // rows 0..7
-  const __m128i high = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);  // rows 8..15
-  // Bytes 2a are k = 2 pair, bytes 2a + 1 are k + 1: gather each parity's 8 rows.
-  const __m128i parity = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-  const __m128i lo = _mm_shuffle_epi8(low, parity), hi = _mm_shuffle_epi8(high, parity);
-  *even = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi));
-  *odd = _mm512_cvtepu8_epi32(_mm_unpackhi_epi64(lo, hi));
+// With few rows of x, alternate partial sums so consecutive FMAs (or dot products) of a row
+// do not wait on each other's latency.
+template <int64_t R>
+constexpr int64_t kPartials = R >= 4 ? 1 : (R >= 2 ? 2 : 4);
+
+// The 64-byte octet of a 4-bit block, lane i row i (see the layout above).
+inline __m512i load_octet(const uint8_t* blk, int64_t octet) {
+  return _mm512_loadu_si512(blk + octet * 4 * QuantWeight::kTile);
 }
 
 template <int64_t R>
 void tile_f32(const QuantWeight& w, int64_t t, const QuantRows& a,
                                        QuantOut out) {
+  constexpr int64_t P = kPartials<R>;
   const int64_t groups = w.groups(), blocks_per_group = w.group / QuantWeight::kBlock;
-  __m512 acc[R], part[R];
+  const __m512i nibble = _mm512_set1_epi32(0x0F);
+  __m512 acc[R], part[R][P];
   for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    for (int64_t r = 0; r < R; ++r) part[r] = _mm512_setzero_ps();
+    for (int64_t r = 0; r < R; ++r) {
+      for (int64_t p = 0; p < P; ++p) part[r][p] = _mm512_setzero_ps();
+    }
     for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
       const uint8_t* blk = w.block(t, b);
       prefetch_ahead(w, blk);
       const int64_t k0 = b * QuantWeight::kBlock;
       if (w.bits == 8) {
-        for (int64_t kk = 0; kk < QuantWeight::kBlock; ++kk) {
-          const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kk * QuantWeight::kTile));
-          const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
-          for (int64_t r = 0; r < R; ++r) {
-            part[r] = _mm512_fmadd_ps(wv, _mm512_set1_ps(a.x[r * w.K + k0 + kk]), part[r]);
+        for (int64_t kk0 = 0; kk0 < QuantWeight::kBlock; kk0 += P) {
+#pragma GCC unroll 4
+          for (int64_t p = 0; p < P; ++p) {
+            const int64_t kk = kk0 + p;
+            const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kk * QuantWeight::kTile));
+            const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+            for (int64_t r = 0; r < R; ++r) {
+              part[r][p] = _mm512_fmadd_ps(wv, _mm512_set1_ps(a.x[r * w.K + k0 + kk]), part[r][p]);
+            }
           }
         }
         continue;
       }
-      for (int64_t pair = 0; pair < QuantWeight::kBlock / 2; ++pair) {
-        __m512i even, odd;
-        unpack4_pair(blk + pair * QuantWeight::kTile, &even, &odd);
-        const __m512 we = _mm512_cvtepi32_ps(even), wo = _mm512_cvtepi32_ps(odd);
-        for (int64_t r = 0; r < R; ++r) {
-          const float* x = a.x + r * w.K + k0 + 2 * pair;
-          part[r] = _mm512_fmadd_ps(we, _mm512_set1_ps(x[0]), part[r]);
-          part[r] = _mm512_fmadd_ps(wo, _mm512_set1_ps(x[1]), part[r]);
+      for (int64_t octet = 0; octet < QuantWeight::kBlock / 8; ++octet) {
+        const __m512i words = load_octet(blk, octet);
+#pragma GCC unroll 4
+        for (int64_t s = 0; s < 4; ++s) {
+          const __m512i shifted = _mm512_srli_epi32(words, 4 * s);
+          const __m512 we = _mm512_cvtepi32_ps(_mm512_and_si512(shifted, nibble));
+          const __m512 wo = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(shifted, 16), nibble));
+          for (int64_t r = 0; r < R; ++r) {
+            const float* x = a.x + r * w.K + k0 + 8 * octet + 2 * s;
+            __m512& sum = part[r][s % P];
+            sum = _mm512_fmadd_ps(we, _mm512_set1_ps(x[0]), sum);
+            sum = _mm512_fmadd_ps(wo, _mm512_set1_ps(x[1]), sum);
+          }
         }
       }
     }
     const __m512 dv = load_f16(w.d + (t * groups + g) * QuantWeight::kTile);
-    for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(part[r], dv, acc[r]);
+    for (int64_t r = 0; r < R; ++r) {
+      __m512 sum = part[r][0];
+      for (int64_t p = 1; p < P; ++p) sum = _mm512_add_ps(sum, part[r][p]);
+      acc[r] = _mm512_fmadd_ps(sum, dv, acc[r]);
+    }
     if (w.bits == 4) {
       const __m512 mv = load_f16(w.m + (t * groups + g) * QuantWeight::kTile);
       for (int64_t r = 0; r < R; ++r) {
@@ -223,13 +241,10 @@ void tile_f32(const QuantWeight& w, int64_t t, const QuantRows& a,
 template <int64_t R>
 void tile_bf16(const QuantWeight& w, int64_t t, const QuantRows& a,
                                              QuantOut out) {
-  // With few rows of x, alternate partial sums so consecutive dot products do not wait on
-  // each other's latency.
-  constexpr int64_t P = R >= 4 ? 1 : (R >= 2 ? 2 : 4);
+  constexpr int64_t P = kPartials<R>;
   const int64_t groups = w.groups(), blocks_per_group = w.group / QuantWeight::kBlock;
-  const __m256i shifts = _mm256_setr_epi16(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
-  const __m512i bf16_128 = _mm512_set1_epi16(0x4300);
+  const __m512i nibbles = _mm512_set1_epi32(0x000F000F);
+  const __m512i bf16_128 = _mm512_set1_epi32(0x43004300);
   __m512 acc[R], part[R][P];
   for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
@@ -240,20 +255,19 @@ void tile_bf16(const QuantWeight& w, int64_t t, const QuantRows& a,
       const uint8_t* blk = w.block(t, b);
       prefetch_ahead(w, blk);
       const int64_t k0 = b * QuantWeight::kBlock;
-      for (int64_t pair0 = 0; pair0 < QuantWeight::kBlock / 2; pair0 += P) {
+      for (int64_t octet = 0; octet < QuantWeight::kBlock / 8; ++octet) {
+        const __m512i words = load_octet(blk, octet);
 #pragma GCC unroll 4
-        for (int64_t p = 0; p < P; ++p) {
-          const int64_t pair = pair0 + p;
-          const auto* bytes = reinterpret_cast<const __m128i*>(blk + pair * QuantWeight::kTile);
-          const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128(bytes));
-          const __m256i nibbles = _mm256_and_si256(_mm256_srlv_epi16(both, shifts), nibble);
-          const __m512bh wv = (__m512bh)_mm512_or_si512(_mm512_cvtepu8_epi16(nibbles), bf16_128);
+        for (int64_t s = 0; s < 4; ++s) {
+          // (words >> 4s) & 0x000F000F | 0x43004300: row i's (128 + q[k], 128 + q[k + 1]).
+          const __m512bh wv = (__m512bh)_mm512_ternarylogic_epi32(
+              _mm512_srli_epi32(words, 4 * s), nibbles, bf16_128, 0xEA);
 #pragma GCC unroll 8
           for (int64_t r = 0; r < R; ++r) {
             int32_t x_pair;
-            std::memcpy(&x_pair, a.xb + r * w.K + k0 + 2 * pair, sizeof(x_pair));
+            std::memcpy(&x_pair, a.xb + r * w.K + k0 + 8 * octet + 2 * s, sizeof(x_pair));
             const __m512bh xv = (__m512bh)_mm512_set1_epi32(x_pair);
-            part[r][p] = _mm512_dpbf16_ps(part[r][p], wv, xv);
+            part[r][s % P] = _mm512_dpbf16_ps(part[r][s % P], wv, xv);
           }
         }
       }

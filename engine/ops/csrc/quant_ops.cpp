@@ -153,11 +153,13 @@ at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales,
   parallel_for(0, R, grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t n = ids[i];
-      for (int64_t g = 0; g < w.groups(); ++g) {
+      int q[QuantWeight::kBlock];
+      for (int64_t b = 0; b < w.blocks(); ++b) {
+        const int64_t g = b * QuantWeight::kBlock / w.group;
         const float d = w.scale(n, g), m = w.bits == 4 ? w.min(n, g) : 0.f;
-        for (int64_t k = g * w.group; k < (g + 1) * w.group; ++k) {
-          out[i * w.K + k] = d * static_cast<float>(w.value(n, k)) + m;
-        }
+        w.block_values(n, b, q);
+        float* row = out + i * w.K + b * QuantWeight::kBlock;
+        for (int64_t kk = 0; kk < QuantWeight::kBlock; ++kk) row[kk] = d * static_cast<float>(q[kk]) + m;
       }
     }
   });

@@ -189,6 +189,21 @@ def test_gguf_blocks_repack_exactly(fmt: str) -> None:
     assert torch.equal(dequantize(pack_tiles(weight), torch.float32), expected)
 
 
+def test_int4_tiles_hold_each_rows_octet_in_one_word() -> None:
+    """The 4-bit tile layout the kernels read (quant_kernels.cpp): row i's 8 integers of an
+    octet in one little-endian 32-bit word, k = 8 octet + 2 s + parity at bits 4 s + 16
+    parity, so that (word >> 4 s) & 0x000F000F is the pair (q[k], q[k + 1])."""
+    weight = make_weight("Q4_1")
+    q = unpack_nibbles(weight.qweight).long()
+    tiled = pack_tiles(weight)
+    words = tiled.qweight.view(-1, K // 32, 4, 16, 4).long()
+    words = words[..., 0] | words[..., 1] << 8 | words[..., 2] << 16 | words[..., 3] << 24
+    for n, k in [(0, 0), (0, 7), (5, 9), (15, 31), (16, 34), (199, 575), (123, 300)]:
+        j = k % 8
+        word = words[n // 16, k // 32, k % 32 // 8, n % 16]
+        assert (word >> (4 * (j // 2) + 16 * (j % 2))) & 0x0F == q[n, k]
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_row_lookup_dequantizes_exactly(fmt: str) -> None:
     weight = make_weight(fmt)
