@@ -30,6 +30,8 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
+
+#include "simd_avx512.h"
 #define PAGEDSERVE_BF16_DOT 1
 #elif defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #include <immintrin.h>
@@ -74,21 +76,12 @@ constexpr int64_t kPrefetchAhead = 8192;
 // Stores a tile's 16 float32 lanes as bfloat16 (nearest even), the first `count` of them;
 // or, for a float32 output, the rounded numbers as float32.
 inline void store_bf16(Bf16Out dst, __m512 lanes, int64_t count) {
-  // bits + 0x7FFF + (bit 16 of bits), then the top half: round to nearest, ties to even.
-  const __m512i bits = _mm512_castps_si512(lanes);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  // NaN becomes c10's NaN, 0x7FC0.
-  const __mmask16 nan = _mm512_cmp_ps_mask(lanes, lanes, _CMP_UNORD_Q);
-  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC00000));
   const auto mask = static_cast<__mmask16>((1u << count) - 1);
   if (dst.f32) {
-    const __m512i top = _mm512_and_si512(rounded, _mm512_set1_epi32(int32_t(0xFFFF0000u)));
-    _mm512_mask_storeu_epi32(dst.data, mask, top);
+    _mm512_mask_storeu_ps(dst.data, mask, avx512::rounded_to_bf16(lanes));
     return;
   }
-  const __m256i halves = _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-  _mm256_mask_storeu_epi16(dst.data, mask, halves);
+  _mm256_mask_storeu_epi16(dst.data, mask, avx512::to_bf16(lanes));
 }
 
 // Tiles t..t+T-1 (T = 1 or 2) for R rows of x. With two tiles, each broadcast activation

@@ -49,12 +49,8 @@ using avx512::store_f32;
 inline __m512 round_to_vec(float*, __m512 x) { return x; }
 inline __m512 round_to_vec(c10::BFloat16*, __m512 x) {
   // float32 -> bf16 (nearest even) -> float32, NaN kept.
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  r = _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u)));
   const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  return _mm512_mask_blend_ps(nan, _mm512_castsi512_ps(r), x);
+  return _mm512_mask_blend_ps(nan, avx512::rounded_to_bf16(x), x);
 }
 inline __m512 round_to_vec(c10::Half*, __m512 x) {
   return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));

@@ -25,16 +25,28 @@ inline __m512 load_f32(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-inline void store_f32(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store_f32(c10::BFloat16* p, __m512 v) {
-  // Round to nearest even, as c10::BFloat16 does; NaN stays NaN.
+// v rounded to bfloat16 as c10::BFloat16 rounds (nearest, ties to even; NaN becomes
+// 0x7FC0), in each lane's high 16 bits (the low 16 are not cleared).
+inline __m512i round_bf16_high(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  r = _mm512_srli_epi32(r, 16);
+  const __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
   const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7fc0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  return _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7fc00000));
+}
+// The 16 lanes as bfloat16 numbers (round_bf16_high's).
+inline __m256i to_bf16(__m512 v) {
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bf16_high(v), 16));
+}
+// The 16 lanes rounded to bfloat16, as float32.
+inline __m512 rounded_to_bf16(__m512 v) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
+  return _mm512_castsi512_ps(_mm512_and_si512(round_bf16_high(v), high));
+}
+
+inline void store_f32(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store_f32(c10::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(v));
 }
 inline void store_f32(c10::Half* p, __m512 v) {
   const __m256i h = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
