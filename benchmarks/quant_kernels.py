@@ -9,7 +9,8 @@ gate_up (3072x576), down (576x1536), as int4 groups of 32 (the Q4_1 layout). The
 stay in the CPU's caches here, unlike in a whole model's step, so the dense copy looks better
 at one row than it is; this shows where the lines cross for many rows, which is what picks
 DENSE_COPY_ROWS. Then the quantized kernel alone over 30 layers in a step's order, streamed from
-memory as in decode (rows up to 16). Not a test: nothing is asserted.
+memory as in decode (rows up to 16), and over the default model's Q8_0 LM head, streamed.
+Not a test: nothing is asserted.
 """
 
 from __future__ import annotations
@@ -30,7 +31,13 @@ from engine.models.layers import (
     tile_bf16_weight,
     tiled_linear,
 )
-from engine.models.quantized import TiledWeight, dequantize, pack_tiles, quantize_int4
+from engine.models.quantized import (
+    TiledWeight,
+    dequantize,
+    pack_tiles,
+    quantize_int4,
+    quantize_int8,
+)
 from engine.ops import native_ops
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -107,6 +114,29 @@ def stream(row_counts: list[int], layers: int = 30) -> None:
 
         seconds = best_of(one_pass, 5)
         print(f"rows {rows:3d}: {seconds * 1e3:7.2f} ms, {nbytes / seconds / 1e9:5.1f} GB/s")
+    stream_head(row_counts)
+
+
+def stream_head(row_counts: list[int], copies: int = 3) -> None:
+    """The default model's LM head as its GGUF file stores it (Q8_0, 49152 x 576), `copies`
+    of it in turn so that each call reads its weights from memory, as a decode step does."""
+    g = torch.Generator().manual_seed(1)
+    head = pack_tiles(quantize_int8(torch.randn(49152, 576, generator=g), 32))
+    heads = [
+        TiledWeight(head.qweight.clone(), head.scales.clone(), None, 8, 32, head.n)
+        for _ in range(copies)
+    ]
+    nbytes = head.nbytes
+    print(f"Q8_0 LM head streamed ({nbytes / 1e6:.1f} MB, {copies} copies in turn), best of 5")
+    for rows in (r for r in row_counts if r <= 16):
+        x = torch.randn(rows, 576, generator=g).bfloat16()
+
+        def one_pass(x: torch.Tensor = x) -> None:
+            for w in heads:
+                native_ops.quant_linear(x, w.kernel_args(), torch.float32)
+
+        seconds = best_of(one_pass, 5) / len(heads)
+        print(f"rows {rows:3d}: {seconds * 1e3:7.3f} ms, {nbytes / seconds / 1e9:5.1f} GB/s")
 
 
 if __name__ == "__main__":
