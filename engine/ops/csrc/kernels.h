@@ -195,11 +195,16 @@ struct QuantWeight {
     const int64_t row = n % kTile, kk = k % kBlock;
     const uint8_t* blk = block(n / kTile, k / kBlock);
     if (bits == 8) return static_cast<int8_t>(blk[kk * kTile + row]);
-    // The row's 32-bit word of octet kk / 8 (little-endian), k = 8 octet + 2 s + parity at
-    // bits 4 s + 16 parity.
+    return octet_value(octet_word(blk, kk / 8, row), kk % 8);
+  }
+  // Row `row`'s 32-bit word of a 4-bit block's octet (little-endian), and its integer at
+  // k = 8 octet + j: bits 4 (j / 2) + 16 (j % 2) (quant_kernels.cpp has the layout).
+  static uint32_t octet_word(const uint8_t* blk, int64_t octet, int64_t row) {
     uint32_t word;
-    std::memcpy(&word, blk + kk / 8 * 4 * kTile + 4 * row, sizeof(word));
-    const int64_t j = kk % 8;
+    std::memcpy(&word, blk + octet * 4 * kTile + 4 * row, sizeof(word));
+    return word;
+  }
+  static int octet_value(uint32_t word, int64_t j) {
     return static_cast<int>((word >> (4 * (j / 2) + 16 * (j % 2))) & 0x0F);
   }
   // The 32 integers of row n in block b, k ascending: value(n, 32 b + i) for each i, read
@@ -212,11 +217,8 @@ struct QuantWeight {
       return;
     }
     for (int64_t octet = 0; octet < kBlock / 8; ++octet) {
-      uint32_t word;
-      std::memcpy(&word, blk + octet * 4 * kTile + 4 * row, sizeof(word));
-      for (int64_t j = 0; j < 8; ++j) {
-        out[8 * octet + j] = static_cast<int>((word >> (4 * (j / 2) + 16 * (j % 2))) & 0x0F);
-      }
+      const uint32_t word = octet_word(blk, octet, row);
+      for (int64_t j = 0; j < 8; ++j) out[8 * octet + j] = octet_value(word, j);
     }
   }
   float scale(int64_t n, int64_t g) const {

@@ -159,7 +159,9 @@ at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales,
         const float d = w.scale(n, g), m = w.bits == 4 ? w.min(n, g) : 0.f;
         w.block_values(n, b, q);
         float* row = out + i * w.K + b * QuantWeight::kBlock;
-        for (int64_t kk = 0; kk < QuantWeight::kBlock; ++kk) row[kk] = d * static_cast<float>(q[kk]) + m;
+        for (int64_t kk = 0; kk < QuantWeight::kBlock; ++kk) {
+          row[kk] = d * static_cast<float>(q[kk]) + m;
+        }
       }
     }
   });
