@@ -71,6 +71,10 @@ PageCursor cursor_for(const Problem<T>& pb, const Span& sp, int64_t kv_head, int
   return cursor;
 }
 
+// Elements of S in a 64-byte cache line.
+template <typename S>
+constexpr int64_t kLineElements = 64 / static_cast<int64_t>(sizeof(S));
+
 // Where row j of a chunk lies: rows[j] elements from base (rows in the cache), or, without
 // rows, j * stride from base (a chunk widened into scratch, whose fixed stride the
 // addressing takes for free once the kernel is inlined with a constant stride).
@@ -79,7 +83,17 @@ struct ChunkRows {
   const S* base;
   const int64_t* rows;
   int64_t stride;
+  // The rows of the chunk to be read after this one, whose lines are requested into L1 one
+  // at a time as this chunk's are read (request_ahead), or nullptr.
+  const int64_t* ahead = nullptr;
+
   const S* operator[](int j) const { return rows != nullptr ? base + rows[j] : base + j * stride; }
+
+  // Requests the line that holds element `at` of the next chunk's row j, where the kernel
+  // has just read element `at` of this chunk's row j.
+  PAGEDSERVE_INLINE void request_ahead(int j, int64_t at) const {
+    if (ahead != nullptr) __builtin_prefetch(base + ahead[j] + at, 0, 3);
+  }
 };
 
 // Keys whose K/V rows are requested ahead of the compute, into L2. With AVX-512, decodes
@@ -159,6 +173,19 @@ ItemKeys keys_of(const Problem<T>& pb, const Span& sp, const WorkItem& it) {
   const int64_t begin = std::max<int64_t>(
       it.key_begin, first_walked_key(sp.computed, it.row_begin, pb.window, pb.block_size));
   return {begin, sp.computed + it.row_end, false, false};
+}
+
+// The rows of item it's first chunk of keys, for KV head it.kv_head, padded to kChunk with
+// the last; false if the item walks no keys.
+template <typename T>
+bool first_chunk_rows(const Problem<T>& pb, const WorkItem& it, int64_t* rows) {
+  const Span sp = span_of(pb, it.req);
+  const ItemKeys keys = keys_of(pb, sp, it);
+  const int n = static_cast<int>(std::min<int64_t>(kChunk, keys.end - keys.begin));
+  if (n <= 0) return false;
+  cursor_for(pb, sp, it.kv_head, keys.begin).next_rows(n, rows);
+  std::fill(rows + n, rows + kChunk, rows[n - 1]);
+  return true;
 }
 
 // Keys that query row i (of a request with `computed` cached keys) sees in the chunk

@@ -264,9 +264,13 @@ void run_items(const Problem<T>& pb, const std::vector<WorkItem>& items, const K
   parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
     thread_local Scratch scratch;  // kept between calls: no allocation per layer
     scratch.reserve(max_queries, pb.head_dim, max_heads);
+    const auto count = static_cast<int64_t>(items.size());
     for (int64_t w = begin; w < end; ++w) {
-      for (int64_t idx = next.fetch_add(1); idx < static_cast<int64_t>(items.size());
-           idx = next.fetch_add(1)) {
+      // Each thread claims its next item before it runs the current one, whose last keys
+      // then request the next one's first.
+      for (int64_t idx = next.fetch_add(1), after = 0; idx < count; idx = after) {
+        after = next.fetch_add(1);
+        scratch.next = after < count ? &items[after] : nullptr;
         attention_item(pb, items[idx], scratch);
       }
     }

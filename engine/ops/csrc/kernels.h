@@ -110,6 +110,9 @@ struct WorkItem {
 
 // Scratch owned by one thread for all the items it runs, kept between calls.
 struct Scratch {
+  // The item the thread runs after the current one (nullptr: none known): the current
+  // one's last chunk requests its first keys (attention_item.h).
+  const WorkItem* next = nullptr;
   std::vector<float> q, acc, p, k, kt, v, row_max, row_sum, alpha;
   std::vector<uint16_t> p16;
   std::vector<const void*> q_rows;

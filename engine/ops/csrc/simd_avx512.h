@@ -145,7 +145,10 @@ struct Vec512Bf16 : Vec512 {
         const __mmask16 mask = first_lanes(cnt);
         __m512i r[16], t[16];
 #pragma GCC unroll 16
-        for (int i = 0; i < 16; ++i) r[i] = _mm512_maskz_loadu_epi32(mask, k[16 * g + i] + 2 * p0);
+        for (int i = 0; i < 16; ++i) {
+          r[i] = _mm512_maskz_loadu_epi32(mask, k[16 * g + i] + 2 * p0);
+          k.request_ahead(16 * g + i, 2 * p0);
+        }
         // Within each 128-bit lane (pairs 4L..4L + 3): t[2i], t[2i + 1] interleave rows 2i
         // and 2i + 1; then r[4i + e] holds pair 4L + e of rows 4i..4i + 3.
 #pragma GCC unroll 8
@@ -243,6 +246,8 @@ struct Vec512Bf16 : Vec512 {
 #pragma GCC unroll 16
       for (int b = 0; b < NB; ++b) {
         const __m512i x = _mm512_loadu_si512(r0 + 32 * b), y = _mm512_loadu_si512(r1 + 32 * b);
+        v.request_ahead(j, d0 + 32 * b);
+        v.request_ahead(j + 1, d0 + 32 * b);
         ul[b] = _mm512_unpacklo_epi16(x, y);
         uh[b] = _mm512_unpackhi_epi16(x, y);
       }
