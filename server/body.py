@@ -73,6 +73,10 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+# What _check_tree looks into: text, and containers (a subclass cannot come out of json.loads).
+_CHECKED = frozenset({str, dict, list})
+
+
 def _check_tree(data: Any) -> None:
     """Walks the parsed body without recursion: depth and encodable text."""
     stack: list[tuple[Any, Path]] = [(data, ())]
@@ -90,7 +94,14 @@ def _check_tree(data: Any) -> None:
                 _check_text(key, (*path, key))
                 stack.append((item, (*path, key)))
         elif isinstance(value, list):
-            stack.extend((item, (*path, i)) for i, item in enumerate(value))
+            if len(path) + 1 >= MAX_DEPTH:
+                stack.extend((item, (*path, i)) for i, item in enumerate(value))
+            else:
+                # Numbers, booleans and nulls hold nothing to check: a prompt's token ids
+                # (thousands of them) cost a type test each, not a path.
+                stack.extend(
+                    (item, (*path, i)) for i, item in enumerate(value) if type(item) in _CHECKED
+                )
 
 
 def _check_text(text: str, path: Path) -> None:
