@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from server.body import load_json
+from server.body import MAX_DEPTH, load_json
 from server.errors import OpenAIError
 from tests.server.live import LiveServer
 
@@ -181,3 +181,16 @@ def test_a_very_deep_body_gets_the_same_answer_whatever_the_recursion_limit(limi
         sys.setrecursionlimit(before)
     assert refused.value.status == 400 and refused.value.param is None
     assert load_json(body('{"prompt": "' + "[" * 1000 + '"}'))["prompt"] == "[" * 1000
+
+
+def test_a_number_deep_in_arrays_counts_toward_the_depth_limit() -> None:
+    """The body check looks into no number, but still counts the level one sits at: a number
+    inside MAX_DEPTH - 1 arrays under a key is one level too deep; one array fewer is not."""
+
+    def deep_number(arrays: int) -> bytes:
+        return body('{"logit_bias": ' + "[" * arrays + "1" + "]" * arrays + "}")
+
+    with pytest.raises(OpenAIError) as refused:
+        load_json(deep_number(MAX_DEPTH - 1))
+    assert refused.value.status == 400 and refused.value.param == "logit_bias"
+    assert load_json(deep_number(MAX_DEPTH - 2))["logit_bias"]
