@@ -42,10 +42,23 @@
 namespace pagedserve::PAGEDSERVE_ISA {
 namespace {
 
-// Rows of x per pass over a tile: each weight vector loaded serves this many.
+// Steps of up to kOnePassRows rows read each tile once, in one pass of all their rows, one
+// tile at a time: a single stream of weights a thread, each line of it used by every row
+// as it arrives. Larger steps, whose arithmetic outweighs the weights' reading, make
+// passes of kRows rows over a pair of tiles: each broadcast activation pair then serves two
+// weight vectors, and the later passes read the pair from the cache.
+//
+// The pairs had run every step of 4 rows or more. Streamed from memory (a whole model's
+// weights, benchmarks/bf16_linear.py; one process switching between the two layouts on
+// every pass, on a Zen 5 VM, AVX512-BF16, 2 threads), one pass of single tiles took 4.67
+// against 5.55 ms at 4 rows, 4.88 against 6.28 at 8, 5.10 against 6.75 at 12, 5.53 against
+// 6.55 at 14 and 5.96 against 6.64 at 16 (1 row: 4.40); from 20 rows on the two were even,
+// and single tiles in passes of 8 or 16 rows were 5-26% slower. Offline decode steps of the
+// default model in bf16 (one process switching on every generate call, six rounds): 4
+// streams 10.78 -> 9.50 ms, 8 12.01 -> 11.07, 12 12.96 -> 11.70, 16 14.09 -> 13.33; Q4_1
+// at 16 streams, on its dense copy, 14.80 -> 13.95.
+constexpr int64_t kOnePassRows = 16;
 constexpr int64_t kRows = 8;
-// Steps of at least this many rows run two tiles per pass.
-constexpr int64_t kPairRows = 4;
 
 // Rounds to bfloat16, nearest even, as c10::BFloat16's conversion does.
 inline uint16_t round_bf16(float f) {
@@ -112,7 +125,7 @@ void tiles_dot(const Bf16Weight& w, int64_t t, const c10::BFloat16* x, Bf16Out y
       if (ahead != 0) _mm_prefetch(reinterpret_cast<const char*>(line) + ahead, _MM_HINT_T1);
       wv[j] = (__m512bh)_mm512_loadu_si512(line);
     }
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int64_t r = 0; r < R; ++r) {
       const __m512bh xv = x_pair(r, pair);
       for (int64_t j = 0; j < T; ++j) acc[j][r][p] = _mm512_dpbf16_ps(acc[j][r][p], wv[j], xv);
@@ -138,6 +151,19 @@ void tiles_dot(const Bf16Weight& w, int64_t t, const c10::BFloat16* x, Bf16Out y
 template <int64_t T>
 void tiles_rows(const Bf16Weight& w, int64_t t, const c10::BFloat16* x, int64_t rows,
                 Bf16Out y, int64_t ahead) {
+  if constexpr (T == 1) {  // one pass of up to kOnePassRows rows
+    switch (rows) {
+      case 16: return tiles_dot<16, 1>(w, t, x, y, ahead);
+      case 15: return tiles_dot<15, 1>(w, t, x, y, ahead);
+      case 14: return tiles_dot<14, 1>(w, t, x, y, ahead);
+      case 13: return tiles_dot<13, 1>(w, t, x, y, ahead);
+      case 12: return tiles_dot<12, 1>(w, t, x, y, ahead);
+      case 11: return tiles_dot<11, 1>(w, t, x, y, ahead);
+      case 10: return tiles_dot<10, 1>(w, t, x, y, ahead);
+      case 9: return tiles_dot<9, 1>(w, t, x, y, ahead);
+      default: break;
+    }
+  }
   switch (rows) {
     case 8: return tiles_dot<8, T>(w, t, x, y, ahead);
     case 7: return tiles_dot<7, T>(w, t, x, y, ahead);
@@ -186,14 +212,16 @@ void bf16_tiles(const Bf16Weight& w, const c10::BFloat16* x, int64_t M, Bf16Out 
 #else
 void bf16_tiles(const Bf16Weight& w, const c10::BFloat16* x, int64_t M, Bf16Out y,
                 TileClaims& claims) {
-  // Tile-major: a pair of tiles' weights (K * 64 bytes) stay in the cache for every pass of
-  // rows. One row at a time goes one tile at a time: the loop is the memory's then.
-  const int64_t step = M >= kPairRows ? 2 : 1;
+  // Tile-major: one tile in one pass of every row, up to kOnePassRows; past that, a pair of
+  // tiles' weights (K * 64 bytes) stay in the cache for every pass of kRows rows.
+  const bool one_pass = M <= kOnePassRows;
+  const int64_t step = one_pass ? 1 : 2, pass_rows = one_pass ? M : kRows;
   for (int64_t begin, end; claims.claim(begin, end);) {
     for (int64_t t = begin; t < end; t += step) {
       const int64_t count = std::min(step, end - t);
-      for (int64_t r0 = 0; r0 < M; r0 += kRows) {
-        tile_rows(w, t, count, x + r0 * w.K, std::min(kRows, M - r0), y.at(r0 * w.N), r0 / kRows);
+      for (int64_t r0 = 0; r0 < M; r0 += pass_rows) {
+        tile_rows(w, t, count, x + r0 * w.K, std::min(pass_rows, M - r0), y.at(r0 * w.N),
+                  r0 / pass_rows);
       }
     }
   }
