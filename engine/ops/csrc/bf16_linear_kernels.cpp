@@ -178,10 +178,10 @@ void tiles_rows(const Bf16Weight& w, int64_t t, const c10::BFloat16* x, int64_t 
 
 // Tiles t..t+count-1 (count = 1 or 2) for `rows` rows, the rows' pass `pass` over them.
 // The first pass reads the weights from memory, asking kPrefetchAhead bytes ahead. The
-// second, whose weights are in the cache already, asks for the next tiles' weights (at the
-// same offsets), so that the memory keeps streaming while the rows compute: at 16 rows
-// the two had taken about the sum of their times, not the larger. Later passes ask for
-// nothing.
+// second (steps of over kOnePassRows rows), whose weights are in the cache already, asks
+// for the next tiles' weights (at the same offsets), so that the memory keeps streaming
+// while the rows compute: when 16 rows ran as two passes, the two had taken about the sum
+// of their times, not the larger. Later passes ask for nothing.
 void tile_rows(const Bf16Weight& w, int64_t t, int64_t count, const c10::BFloat16* x,
                int64_t rows, Bf16Out y, int64_t pass) {
   const int64_t ahead = pass == 0   ? kPrefetchAhead
