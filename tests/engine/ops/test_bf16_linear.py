@@ -77,10 +77,10 @@ def test_any_thread_count_gives_the_same_bits(m: int) -> None:
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("m", [1, 2, 4, 7, 8, *range(9, 21), 64, 513])
+@pytest.mark.parametrize("m", [1, 2, 4, 7, 8, *range(9, 21), 24, 25, 64, 513])
 def test_every_row_count_takes_the_same_values_as_the_portable_loop(isa: str, m: int) -> None:
     """Each set's path (AVX512_BF16: one tile in one pass of 1-16 rows, then pairs of tiles
-    in passes of 1-8 rows; AVX2: 1-4 rows, or from 16 rows on, float32 panels in passes of
+    in passes of 1-12 rows; AVX2: 1-4 rows, or from 16 rows on, float32 panels in passes of
     1-6 rows) against the portable loop, which rounds the same float32 sums: they may
     differ only by summation order."""
     g = torch.Generator().manual_seed(m)
