@@ -314,10 +314,22 @@ class DeviceConfig:
         if self.native_kernels is not None:
             facts.extend(self.native_kernels.facts())
         facts.append(("torch threads", str(self.num_threads)))
+        if self.device_type == "cpu":
+            facts.append(("huge pages", _huge_pages_fact()))
         if self.device_type == "cuda":
             graphs = f"decode batches {list(self.cuda_graph_sizes)}"
             facts.append(("CUDA graphs", graphs if self.cuda_graph_sizes else self.cuda_graphs_off))
         return facts
+
+
+def _huge_pages_fact() -> str:
+    """Whether the CPU's weights and KV cache sit in huge pages (engine/ops/hugepages.py)."""
+    from engine.ops.hugepages import huge_pages
+
+    mode = huge_pages()
+    if mode in ("madvise", "always"):
+        return f"weights and KV cache (transparent huge pages: {mode})"
+    return f"none (transparent huge pages: {mode}; 4 KiB pages)"
 
 
 @dataclass(frozen=True)

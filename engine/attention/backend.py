@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from engine.attention.metadata import AttentionMetadata
+from engine.ops import hugepages
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,11 @@ def allocate_kv_cache(
     kv_cache[layer, 0] and kv_cache[layer, 1] are that layer's contiguous K and V (NHD).
     """
     shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
-    return torch.zeros(shape, dtype=dtype, device=device)
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # On the CPU in huge pages: attention's reads hop from block to block.
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return hugepages.zeros(nbytes).view(dtype).view(shape)
 
 
 def kv_cache_bytes_per_block(

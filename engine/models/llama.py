@@ -38,6 +38,7 @@ from engine.models.quantized import (
     pack_tiles,
     quantized_linear,
 )
+from engine.models.weight_arena import gather_weights
 from engine.ops import native_ops
 
 
@@ -201,6 +202,8 @@ class DecoderModel(nn.Module):
             # A plain float head that no kernel lays out stays where it is (no second handle).
             if layer.weight is None or self.quantized_head is not None:
                 self.dense_head = layer
+        if self.norm.weight.device.type == "cpu":
+            gather_weights(self)
         self.build_fused_layers(dense_copy)
 
     def build_fused_layers(self, dense_copy: bool) -> None:

@@ -31,6 +31,7 @@ def facts(output: str) -> dict[str, str]:
 def test_info_prints_what_runs_on_this_cpu(default_model_dir: Path) -> None:
     result = info(*SETTINGS)  # the default model, whose GGUF file runs as stored
     assert result.returncode == 0, result.stderr
+    from engine.ops.hugepages import huge_pages
     from engine.ops.loader import native_kernels
 
     kernels = native_kernels()
@@ -42,6 +43,11 @@ def test_info_prints_what_runs_on_this_cpu(default_model_dir: Path) -> None:
         "kernels built": " ".join(kernels.built),
         "kernels this CPU runs": " ".join(kernels.supported),
         "torch threads": "1",
+        "huge pages": (
+            f"weights and KV cache (transparent huge pages: {huge_pages()})"
+            if huge_pages() in ("madvise", "always")
+            else f"none (transparent huge pages: {huge_pages()}; 4 KiB pages)"
+        ),
         "quantization": "GGUF as stored, dense copy for steps of over 8 tokens",
     }
     assert "CUDA" not in result.stdout

@@ -24,7 +24,7 @@ from engine.config import QuantConfig
 from engine.models.layers import Linear
 from engine.models.llama import DecoderModel
 from engine.models.loader import load_model
-from engine.models.quantized import MAX_KERNEL_ROWS, TiledWeight, dequantize
+from engine.models.quantized import MAX_KERNEL_ROWS, dequantize
 
 pytestmark = pytest.mark.slow
 
@@ -128,7 +128,7 @@ def break_scales(model: DecoderModel, how: str) -> None:
                 doubled = w.scales.repeat_interleave(2, dim=1)
                 mins = None if w.mins is None else w.mins.repeat(1, 2, 1).contiguous()
                 broken = dataclasses.replace(w, scales=doubled, mins=mins, group_size=32)
-            module.quantized = TiledWeight(**dataclasses.asdict(broken))
+            module.quantized = broken
 
 
 @pytest.mark.parametrize("how", ["transposed", "group"])

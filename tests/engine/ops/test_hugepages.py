@@ -1,0 +1,89 @@
+"""engine/ops/hugepages.py: zeroed huge-page mappings, and tensors gathered into one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.ops import hugepages
+
+
+def test_zeros_are_zeros_on_a_huge_page_boundary() -> None:
+    t = hugepages.zeros(3 * hugepages.HUGE_PAGE + 5)
+    assert t.dtype == torch.uint8 and t.numel() == 3 * hugepages.HUGE_PAGE + 5
+    assert t.data_ptr() % hugepages.HUGE_PAGE == 0
+    assert int(t.count_nonzero()) == 0
+    t.fill_(7)  # writable, and each call's memory its own
+    assert int(hugepages.zeros(64).count_nonzero()) == 0
+
+
+def test_a_view_keeps_the_mapping_alive() -> None:
+    view = hugepages.zeros(1 << 20)[4096:8192].view(torch.float32)
+    view.fill_(1.5)
+    assert float(view.sum()) == 1.5 * 1024
+
+
+def anon_huge_kb(t: torch.Tensor) -> int:
+    """AnonHugePages of the mapping holding t's first byte (/proc/self/smaps)."""
+    address, inside = t.data_ptr(), False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    raise AssertionError("no mapping holds the tensor")
+
+
+@pytest.mark.skipif(
+    hugepages.huge_pages() not in ("madvise", "always"), reason="this kernel gives no THP"
+)
+def test_the_memory_is_in_huge_pages() -> None:
+    t = hugepages.zeros(8 * hugepages.HUGE_PAGE)
+    assert anon_huge_kb(t) >= 2048  # at least one 2 MiB page of the eight
+
+
+@pytest.mark.parametrize(
+    ("text", "mode"),
+    [("always [madvise] never\n", "madvise"), ("[always] madvise never", "always"),
+     ("always madvise [never]", "never"), ("", "unavailable")],
+)  # fmt: skip
+def test_the_thp_mode_is_read_from_sysfs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str, mode: str
+) -> None:
+    path = tmp_path / "enabled"
+    path.write_text(text)
+    monkeypatch.setattr(hugepages, "THP_MODE", path)
+    hugepages.huge_pages.cache_clear()
+    try:
+        assert hugepages.huge_pages() == mode
+    finally:
+        hugepages.huge_pages.cache_clear()
+
+
+def test_gather_copies_each_tensor_side_by_side() -> None:
+    g = torch.Generator().manual_seed(0)
+    tensors = [
+        torch.randn(3, 5, generator=g),
+        torch.randint(0, 255, (1000,), dtype=torch.uint8, generator=g),
+        torch.randn(96, 70, generator=g).bfloat16().t(),  # not contiguous
+        torch.empty(0, dtype=torch.float16),
+        torch.randint(-8, 8, (4, 33), dtype=torch.int8, generator=g),
+    ]
+    copies = hugepages.gather(tensors)
+    base = copies[0].data_ptr()
+    assert base % hugepages.HUGE_PAGE == 0
+    for t, c in zip(tensors, copies, strict=True):
+        assert c.dtype == t.dtype and c.shape == t.shape and c.is_contiguous()
+        assert torch.equal(c, t)
+        assert c.numel() == 0 or c.data_ptr() % hugepages.ALIGN == 0
+    # One mapping, in order: each copy begins after the one before it ends (an empty
+    # tensor has no address).
+    held = [c for c in copies if c.numel()]
+    ends = [c.data_ptr() + c.numel() * c.element_size() for c in held]
+    starts = [c.data_ptr() for c in held]
+    assert all(start >= end for start, end in zip(starts[1:], ends, strict=False))
+    assert starts[-1] - base < 1 << 20
