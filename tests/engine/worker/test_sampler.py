@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from engine import LLM, EngineHooks, SamplingParams
-from engine.worker.sampler import Sampler, SamplingRow, argmax_rows, logprob_tensors
+from engine.worker.sampler import (
+    Sampler,
+    SamplingRow,
+    _top_k_top_p_drop,
+    argmax_rows,
+    filter_top_k_top_p,
+    logprob_tensors,
+)
 from tests.isas import CPU_LACKS
 from tests.tiny_models import make_tiny_model
 
@@ -402,3 +409,40 @@ def test_a_lowered_token_is_recomputed_only_where_it_was_the_argmax(tmp_path: Pa
     banned_params = SamplingParams(temperature=0.0, max_tokens=1, logit_bias={plain[0]: -100.0})
     full = llm.generate(prompts, [banned_params, with_logprobs])
     assert [o.outputs[0].token_ids[0] for o in full] == banned
+
+
+@pytest.mark.parametrize("spread", [0.05, 1.0, 30.0])  # flat (a wide nucleus) to peaked
+def test_the_candidates_keep_what_a_whole_sort_keeps(spread: float) -> None:
+    """On the CPU top-k and top-p read each row's largest logits first, and sort a row's
+    values only where its nucleus reaches past them: the tokens kept are those a sort of
+    the whole vocabulary with indices keeps, and the candidates returned hold them all."""
+    vocab = 20000
+    g = torch.Generator().manual_seed(int(spread * 100))
+    # Distinct values: a tie at the nucleus' edge may fall either way in either order.
+    logits = torch.stack([torch.randperm(vocab, generator=g) for _ in range(6)]).float()
+    logits = logits * (spread / vocab) * 10
+    params = [
+        SamplingParams(top_p=0.9),
+        SamplingParams(top_p=0.999),
+        SamplingParams(top_k=40),
+        SamplingParams(top_k=1000, top_p=0.95),
+        SamplingParams(top_k=5000),
+        SamplingParams(top_p=0.5),
+    ]
+    rows = [row(p) for p in params]
+    k_values = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    expected = logits.masked_fill(
+        _top_k_top_p_drop(logits, k_values, [p.top_p for p in params]), float("-inf")
+    )
+    filtered, support = filter_top_k_top_p(logits, rows)
+    assert torch.equal(filtered, expected)
+    # Candidates come back where every nucleus fitted them (the peaked rows' do).
+    assert (support is not None) == (spread == 30.0)
+    if support is not None:
+        kept = torch.isfinite(filtered)
+        held = torch.zeros_like(kept).scatter_(1, support, True)
+        assert bool((held | ~kept).all())
+    # One unfiltered row: no candidates, and that row untouched.
+    mixed, none = filter_top_k_top_p(logits[:2], [rows[0], row(SamplingParams())])
+    assert none is None and torch.equal(mixed[1], logits[1])
+    assert torch.equal(mixed[0], expected[0])
