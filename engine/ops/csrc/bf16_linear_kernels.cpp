@@ -92,8 +92,17 @@ inline uint16_t round_bf16(float f) {
 constexpr int64_t kPrefetchAhead = 8192;
 
 // Stores a tile's 16 float32 lanes as bfloat16 (nearest even), the first `count` of them;
-// or, for a float32 output, the rounded numbers as float32.
+// or, for a float32 output, the rounded numbers as float32. A streamed output's whole
+// tiles bypass the caches (bf16_tiles fences them).
 inline void store_bf16(Bf16Out dst, __m512 lanes, int64_t count) {
+  if (dst.stream && count == Bf16Weight::kTile) {
+    if (dst.f32) {
+      _mm512_stream_ps(static_cast<float*>(dst.data), avx512::rounded_to_bf16(lanes));
+    } else {
+      _mm256_stream_si256(static_cast<__m256i*>(dst.data), avx512::to_bf16(lanes));
+    }
+    return;
+  }
   const auto mask = static_cast<__mmask16>((1u << count) - 1);
   if (dst.f32) {
     _mm512_mask_storeu_ps(dst.data, mask, avx512::rounded_to_bf16(lanes));
@@ -230,6 +239,9 @@ void bf16_tiles(const Bf16Weight& w, const c10::BFloat16* x, int64_t M, Bf16Out 
       }
     }
   }
+#ifdef PAGEDSERVE_BF16_DOT
+  if (y.stream) _mm_sfence();  // the streamed stores land before the task is counted done
+#endif
 }
 #endif
 

@@ -304,9 +304,12 @@ struct Bf16Weight {
 struct Bf16Out {
   void* data;
   bool f32 = false;
+  // Whole tiles go straight to memory (non-temporal stores; 64-byte aligned rows): an
+  // output too large for the caches, read once by its consumer (bf16_linear says when).
+  bool stream = false;
   // The output `elements` further on.
   Bf16Out at(int64_t elements) const {
-    return {static_cast<char*>(data) + elements * (f32 ? 4 : 2), f32};
+    return {static_cast<char*>(data) + elements * (f32 ? 4 : 2), f32, stream};
   }
   // Output i as the bfloat16 number `bits`.
   void put(int64_t i, uint16_t bits) const {

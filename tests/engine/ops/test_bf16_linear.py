@@ -158,10 +158,16 @@ def test_bad_shapes_are_refused() -> None:
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize(("n", "k", "m"), [(37, 64, 1), (50, 30, 3), (33, 128, 9), (200, 64, 20)])
+@pytest.mark.parametrize(
+    ("n", "k", "m"),
+    [(37, 64, 1), (50, 30, 3), (33, 128, 9), (200, 64, 20),
+     (32768, 32, 64), (32784, 64, 70), (32775, 32, 70)],
+)  # fmt: skip
 def test_float32_output_is_the_bfloat16_output_widened(isa: str, n: int, k: int, m: int) -> None:
     """out_dtype=float32 (the LM head's logits) gives exactly .float() of the bfloat16 result,
-    in every instruction set, including a tile cut short by N and a last pass of rows."""
+    in every instruction set, including a tile cut short by N and a last pass of rows; and
+    where the output is large enough (8 MiB) to go straight to memory, with N in whole
+    tiles or not (the last tile then stored as before)."""
     g = torch.Generator().manual_seed(n + k + m)
     tiled = tile_bf16_weight(torch.randn(n, k, generator=g).bfloat16())
     x = torch.randn(m, k, generator=g).bfloat16()
