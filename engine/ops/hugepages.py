@@ -11,9 +11,9 @@ aligned and marked MADV_HUGEPAGE, in the order a step reads them, and `zeros` al
 the KV cache the same way.
 
 Measured on a 2-core Zen 5 VM (THP "madvise"): SmolLM2-135M's 30 layers of bf16 linears,
-213 MB streamed at one row, 5.15 ms as separate tensors, 3.71 in one huge-page mapping
-(4.69 in one mapping of 4 KiB pages); benchmarks/hardware_limits.py's read rate 70 -> 76 GB/s
-with torch's own huge pages.
+213 MB streamed at one row, 5.15 ms as separate tensors in 4 KiB pages, 4.69 in one mapping
+of them, 3.71 in one huge-page mapping; benchmarks/hardware_limits.py's read rate 70 -> 76
+GB/s with torch's own huge pages (docs/benchmarks.md, 2026-11-29).
 
 Where the kernel offers no THP (mode "never", or built without it) the mapping is plain
 memory, and `huge_pages()` says so (`pagedserve info`).
