@@ -10,13 +10,11 @@ import torch
 
 from engine import LLM, EngineHooks, SamplingParams
 from engine.worker.sampler import (
-    CDF_BLOCK,
     Sampler,
     SamplingRow,
     _top_k_top_p_drop,
     argmax_rows,
     filter_top_k_top_p,
-    inverse_cdf,
     logprob_tensors,
 )
 from tests.isas import CPU_LACKS
@@ -448,31 +446,3 @@ def test_the_candidates_keep_what_a_whole_sort_keeps(spread: float) -> None:
     mixed, none = filter_top_k_top_p(logits[:2], [rows[0], row(SamplingParams())])
     assert none is None and torch.equal(mixed[1], logits[1])
     assert torch.equal(mixed[0], expected[0])
-
-
-def test_inverse_cdf_gives_each_token_its_share_and_never_one_of_none() -> None:
-    """A grid of uniforms over [0, 1) falls on each token in proportion to its probability,
-    across block boundaries and a vocabulary that is no whole number of blocks; tokens of
-    probability 0 (first, at a block's edge, last) are never drawn, not even at the ends of
-    [0, 1); a token of mass 1e-12 beside one of 0.5 keeps its own interval."""
-    vocab, grid = 2 * CDF_BLOCK + 37, 20000
-    g = torch.Generator().manual_seed(3)
-    probs = torch.rand(vocab, generator=g, dtype=torch.float64) ** 4
-    zero = [0, CDF_BLOCK - 1, CDF_BLOCK, 2 * CDF_BLOCK + 5, vocab - 1]
-    probs[zero] = 0.0
-    probs = (probs / probs.sum() * 3).float()  # unnormalised, as min-p leaves them
-    u = (torch.arange(grid, dtype=torch.float64) + 0.5) / grid
-    tokens = inverse_cdf(probs.expand(grid, vocab), u)
-    counts = torch.bincount(tokens, minlength=vocab).double()
-    share = probs.double() / probs.double().sum()
-    assert (counts - share * grid).abs().max().item() <= 1.0
-    ends = torch.tensor([0.0, 1 - 2.0**-53], dtype=torch.float64)
-    drawn = inverse_cdf(probs.expand(2, vocab), ends).tolist()
-    assert drawn[0] == 1 and drawn[1] == vocab - 2
-
-    rare = torch.zeros(1, vocab)
-    rare[0, 7], rare[0, 8], rare[0, 9] = 0.5, 1e-12, 0.5
-    tiny = rare[0, 8].double().item()
-    at = torch.tensor([(0.5 + tiny / 2) / (1 + tiny)], dtype=torch.float64)  # mid-interval
-    assert inverse_cdf(rare, at).tolist() == [8]
-    assert inverse_cdf(rare, torch.tensor([0.4999], dtype=torch.float64)).tolist() == [7]
