@@ -366,7 +366,7 @@ def _ranked_drop(
     drop = ranks >= top_k[:, None]
     top_p = device_tensor(p_values, device, logits.dtype)
     # log of the normaliser: over the candidates where top_k keeps no more of them, else
-    # over the whole row (no top_k: the only other case the rounds reach).
+    # over the whole row (a row without top_k, whose candidates are not the whole row).
     within = torch.logsumexp(values.masked_fill(drop, _MASK), dim=-1)
     whole = torch.tensor([k >= vocab and count < vocab for k in k_values], device=device)
     if bool(whole.any()):
