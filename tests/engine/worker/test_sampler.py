@@ -446,3 +446,24 @@ def test_the_candidates_keep_what_a_whole_sort_keeps(spread: float) -> None:
     mixed, none = filter_top_k_top_p(logits[:2], [rows[0], row(SamplingParams())])
     assert none is None and torch.equal(mixed[1], logits[1])
     assert torch.equal(mixed[0], expected[0])
+
+
+def test_greedy_rows_keep_a_filtered_batch_on_the_candidates() -> None:
+    """Beside top-k / top-p rows, a greedy row races over its top token alone (its draw is
+    discarded for its argmax anyway), so the batch keeps its candidates; a row that filters
+    nothing sends the batch over the whole vocabulary. Tokens: each greedy row its argmax,
+    a seeded top-k row the same token alone as batched."""
+    vocab = 5000
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, vocab, generator=g) * 4
+    greedy, top_k = SamplingParams(temperature=0.0), SamplingParams(top_k=20, seed=17)
+    rows = [row(greedy), row(top_k), row(greedy)]
+    assert filter_top_k_top_p(logits, rows)[1] is None
+    assert filter_top_k_top_p(logits, rows, greedy_top1=True)[1] is not None
+    unfiltered = [row(greedy), row(top_k), row(SamplingParams(temperature=0.9))]
+    assert filter_top_k_top_p(logits, unfiltered, greedy_top1=True)[1] is None
+    sampler = Sampler(vocab)
+    tokens = sampler.sample(logits, rows).tolist()
+    assert tokens[0] == int(logits[0].argmax()) and tokens[2] == int(logits[2].argmax())
+    assert tokens[1] in logits[1].topk(20).indices.tolist()
+    assert sampler.sample(logits[1:2], [row(top_k)]).tolist() == [tokens[1]]
