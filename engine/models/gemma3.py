@@ -91,6 +91,9 @@ class Gemma3Model(DecoderModel):
         assert residual is not None, "Gemma 3 has layers"
         return self.norm.add_forward(x, residual)[0]
 
+    def screens_head(self) -> bool:
+        return self.arch.final_logit_softcapping is None  # as greedy_tokens
+
     def greedy_tokens(self, hidden: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
         # Soft-capping keeps the order but can make ties of logits that had none.
         if self.arch.final_logit_softcapping is not None:

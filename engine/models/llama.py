@@ -22,6 +22,7 @@ from engine.models.fused_layers import (
     layer_weights,
     run_fused_layers,
 )
+from engine.models.head_screen import SCREEN_ROWS, HeadScreen, build_head_screen
 from engine.models.layers import (
     MLP,
     Linear,
@@ -142,6 +143,9 @@ class DecoderModel(nn.Module):
         # The LM head laid out for its kernel (Linear.pack), or a quantized head's dense copy
         # (--quantization-dense-copy); None: the head runs on its plain weight.
         self.dense_head: Linear | None = None
+        # The bfloat16 head's int8 screen for greedy steps of a few rows
+        # (engine/models/head_screen.py), where the head is tiled for the native kernel.
+        self.head_screen: HeadScreen | None = None
         # Quantized embedding table and LM head (engine/models/quantized.py); a tied model
         # whose table is quantized uses it as its head too.
         self.quantized_embed: TiledWeight | None = None
@@ -202,6 +206,8 @@ class DecoderModel(nn.Module):
             # A plain float head that no kernel lays out stays where it is (no second handle).
             if layer.weight is None or self.quantized_head is not None:
                 self.dense_head = layer
+            if layer.tiled is not None and self.quantized_head is None and self.screens_head():
+                self.head_screen = build_head_screen(head.detach())
         if self.norm.weight.device.type == "cpu":
             gather_weights(self)
         self.build_fused_layers(dense_copy)
@@ -245,6 +251,11 @@ class DecoderModel(nn.Module):
             return self.norm(x)
         return self.norm.add_forward(x, residual)[0]
 
+    def screens_head(self) -> bool:
+        """Whether greedy_tokens may screen a tiled bfloat16 head (head_screen.py): a model
+        whose greedy tokens never come from the head's kernel builds no screen."""
+        return True
+
     def greedy_tokens(self, hidden: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
         """(n,) each row's argmax over compute_logits' first `vocab_size` columns, without
         the logits (n, vocab) and their float32 copy, where the head runs on the bfloat16
@@ -255,6 +266,11 @@ class DecoderModel(nn.Module):
             return None
         if self.quantized_head is not None and len(hidden) <= DENSE_COPY_ROWS:
             return None
+        screen = self.head_screen
+        if screen is not None and len(hidden) <= SCREEN_ROWS:
+            return native_ops.bf16_linear_argmax_screened(
+                hidden, dense.tiled, dense.out_features, vocab_size, screen.weight, screen.bounds
+            )
         return native_ops.bf16_linear_argmax(hidden, dense.tiled, dense.out_features, vocab_size)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

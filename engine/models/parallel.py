@@ -148,6 +148,9 @@ class TensorParallelDecoder(DecoderModel):
         dist.all_reduce(x, group=self.group)
         return x  # (num_tokens, hidden_size)
 
+    def screens_head(self) -> bool:
+        return False  # as greedy_tokens
+
     def greedy_tokens(self, hidden: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
         return None  # every rank's share of the logits meets on rank 0 (compute_logits)
 

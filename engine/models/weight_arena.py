@@ -116,6 +116,16 @@ def _head_slots(model: DecoderModel, step: list[Slot], dense: list[Slot]) -> Non
 
             slots[-1] = (last[0], put_last)
         step += slots
+    if model.head_screen is not None:  # what steps of a few rows read instead of the head
+        screen = model.head_screen
+
+        def putter(name: str) -> Callable[[torch.Tensor], None]:
+            def put(copy: torch.Tensor) -> None:
+                setattr(screen, name, copy)
+
+            return put
+
+        step += [(getattr(screen, name), putter(name)) for name in ("weight", "bounds")]
     if model.dense_head is not None:
         _linear_slots(model.dense_head, dense if model.quantized_head is not None else step, dense)
         return

@@ -135,6 +135,21 @@ def bf16_linear_argmax(
     return torch.ops.pagedserve.bf16_linear_argmax(x, weight, n, n_valid)
 
 
+def bf16_linear_argmax_screened(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    n: int,
+    n_valid: int,
+    screen: torch.Tensor,
+    bounds: torch.Tensor,
+) -> torch.Tensor | None:
+    """bf16_linear_argmax's tokens through the head's int8 screen
+    (engine/models/head_screen.py); None where the native kernel cannot run."""
+    if x.device.type != "cpu" or x.dtype != torch.bfloat16 or not native_kernels().available:
+        return None
+    return torch.ops.pagedserve.bf16_linear_argmax_screened(x, weight, n, n_valid, screen, bounds)
+
+
 def quant_dequantize(
     weight: QuantArgs, rows: torch.Tensor | None, dtype: torch.dtype
 ) -> torch.Tensor | None:

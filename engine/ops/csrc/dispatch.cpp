@@ -57,7 +57,7 @@ bool has_avx512_bf16() { return has_avx512() && __builtin_cpu_supports("avx512bf
   Kernels {                                                                           \
     name, PAGEDSERVE_TABLE(ns, float), PAGEDSERVE_TABLE(ns, c10::BFloat16),           \
         PAGEDSERVE_TABLE(ns, c10::Half), &ns::quant_tiles, &ns::quant_rows_int16,    \
-        &ns::bf16_tiles                                                               \
+        &ns::bf16_tiles, &ns::int8_row_dots                                           \
   }
 
 struct IsaEntry {

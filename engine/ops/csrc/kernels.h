@@ -372,6 +372,11 @@ struct Kernels {
   // row of x.
   void (*bf16_tiles)(const Bf16Weight&, const c10::BFloat16* x, int64_t M, Bf16Out y,
                      TileClaims& claims);
+  // The bfloat16 LM head's int8 screen: out (M, rows) int32 = the M rows of x (M, K) int16
+  // times q (rows, K) int8, K a multiple of 32; exact integer sums, the same in every set
+  // (the caller keeps them within int32).
+  void (*int8_row_dots)(const int8_t* q, int64_t K, const int16_t* x, int64_t M, int64_t rows,
+                        int32_t* out);
 
   template <typename T>
   const KernelsFor<T>& of() const {
@@ -426,6 +431,8 @@ inline const Kernels& kernels_for(const std::optional<std::string>& isa) {
   void quant_rows_int16(const float* x, int64_t M, int64_t K, int16_t* xq, float* scale); \
   void bf16_tiles(const Bf16Weight& w, const c10::BFloat16* x, int64_t M, Bf16Out y,         \
                   TileClaims& claims);                                                    \
+  void int8_row_dots(const int8_t* q, int64_t K, const int16_t* x, int64_t M,             \
+                     int64_t rows, int32_t* out);                                          \
   }
 
 #if defined(PAGEDSERVE_WITH_ISA_AVX2) || defined(PAGEDSERVE_WITH_ISA_AVX512) || \
