@@ -156,8 +156,15 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=40)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=128)
+    p.add_argument("--cpu-isa", default=None, help="the native kernels' instruction set")
     args = p.parse_args()
-    llm = LLM(args.model, dtype="bfloat16", quantization="none", max_model_len=2048)
+    llm = LLM(
+        args.model,
+        dtype="bfloat16",
+        quantization="none",
+        max_model_len=2048,
+        **({"cpu_isa": args.cpu_isa} if args.cpu_isa else {}),
+    )
     if llm.core.runner.model.head_screen is None:
         raise SystemExit("no head screen: the bfloat16 head is not tiled on this CPU")
     rng = random.Random(1)
