@@ -39,9 +39,49 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
+def _port_block() -> list[int]:
+    """The ports this test process hands out: below the kernel's ephemeral range, from which
+    every outgoing connection (a test's client, another worker's) takes its own port, and a
+    block of its own per xdist worker. (Ports bound to 0 came from that range: a client's
+    connection could take one between free_ports and the server's bind, and the server then
+    exited with 2, "address already in use".)"""
+    path = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    fields = path.read_text().split() if path.exists() else []
+    low = int(fields[0]) if fields and fields[0].isdigit() else 32768  # else Linux's default
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    index = int(worker) if worker.isdigit() else 0
+    size = 500
+    start = 10000 + (index % 16) * size
+    if start + size > low:  # a host whose ephemeral range starts low: the kernel's choice
+        return []
+    ports = list(range(start, start + size))
+    random_start = os.getpid() % size  # a rerun of the suite starts elsewhere in the block
+    return ports[random_start:] + ports[:random_start]
+
+
+_BLOCK = _port_block()
+_next_port = 0
+
+
 def free_ports(count: int) -> list[int]:
-    """`count` distinct ports free now (each socket stays bound until all are picked, so two
-    calls in a row cannot return the same port); whoever binds them later may still race."""
+    """`count` distinct ports free now, from this process's own block (_port_block), in turn,
+    so that two calls in a row cannot return the same port; else, where the host has no such
+    block, ports the kernel picked (each socket stays bound until all are picked)."""
+    global _next_port
+    picked: list[int] = []
+    for _ in range(len(_BLOCK)):
+        if len(picked) == count:
+            return picked
+        port = _BLOCK[_next_port % len(_BLOCK)]
+        _next_port += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use (or in TIME_WAIT from an earlier server)
+        picked.append(port)
+    if len(picked) == count:
+        return picked
     sockets = [socket.socket() for _ in range(count)]
     try:
         for s in sockets:
