@@ -121,10 +121,10 @@ def test_the_results_chart_draws_from_its_figures(tmp_path: Path) -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import plot_compare
 
-    figures = DOCS / "results" / "2026-11-29-vllm-avx512-i.json"
+    figures = DOCS / "results" / "2026-11-29-vllm-avx512-j.json"
     plot_compare.plot(json.loads(figures.read_text()), tmp_path / "chart.png")
     assert (tmp_path / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "docs/results/2026-11-29-vllm-avx512-i.png" in (ROOT / "README.md").read_text()
+    assert "docs/results/2026-11-29-vllm-avx512-j.png" in (ROOT / "README.md").read_text()
     sweep = DOCS / "results" / "2026-11-25-token-budget.json"
     plot_compare.plot_tradeoff(json.loads(sweep.read_text()), tmp_path / "tradeoff.png")
     assert (tmp_path / "tradeoff.png").stat().st_size > 1000
