@@ -59,19 +59,24 @@ def scrape(server: LiveServer, client: httpx.Client, scheduled: ScheduleCount) -
         core.scheduler.kv_cache.usage(),
     )
     steps, stepping, schedules = core.num_steps, engine._stepping, scheduled.count
+    handled = engine._handled  # step results the event loop has published (one a step)
     text = client.get(f"{server.url}/metrics").text
     after = (
         len(core.scheduler.running),
         len(core.scheduler.waiting),
         core.scheduler.kv_cache.usage(),
     )
-    # The gauges are published after each step. While the next one is in flight but has
-    # not scheduled yet (it sleeps the hook's delay first), the scheduler holds what they
-    # were published from; its schedule() changes that before the step ends.
+    # The gauges are published after each step, when the event loop takes its result (the
+    # scrape, on the same loop, sees all of a publish or none). While the next step is in
+    # flight but has not scheduled yet (it sleeps the hook's delay first), the scheduler
+    # holds what the last step's were published from; its schedule() changes that before
+    # the step ends. The loop may take a result after the scrape asked, so the last step's
+    # must have been taken before it.
     steady = (
         stepping
         and engine._stepping
         and core.num_steps == steps
+        and handled == steps
         and scheduled.count == schedules == steps
         and before == after
     )
