@@ -5,10 +5,11 @@ A decode step of a few rows reads the whole head for its argmax: 56.6 MB of the 
 model's 269 (21%), a sixth of a single stream's step. The screen is an int8 copy of the head,
 one float32 scale per row, and two bounds per row on what the copy leaves out;
 pagedserve::bf16_linear_argmax_screened (engine/ops/csrc/bf16_linear_ops.cpp, where the
-bounds are derived) reads it, keeps the rows whose logit could still be the largest (one to
-six of 49152 on the default model's hidden states) and computes those rows' tiles exactly,
-with the kernel and rows the whole head would use: the same token, ties included. Where it
-cannot decide cheaply (a flat distribution, a row of x not finite) the whole head runs.
+bounds are derived) reads it, keeps the rows whose logit could still be the largest (on the
+default model's greedy steps, 4.7 tiles of 16 rows out of 3,072 on average, 34 at the 99th
+percentile) and computes those rows' tiles exactly, with the kernel and rows the whole head
+would use: the same token, ties included. Where it cannot decide cheaply (a flat
+distribution, a row of x not finite) the whole head runs.
 
 Steps of up to SCREEN_ROWS rows use it; past that the head's tiles, which read each weight
 once for every row, cost less than the screen's integer sums per row
