@@ -13,10 +13,22 @@ CPU this process may use (threads through ctypes, which releases the GIL):
     dpbf16_avx512    vdpbf16ps zmm       16 lanes x 2 pairs x 2    bfloat16 dot (AVX512_BF16)
     vnni_avx512      vpdpbusd zmm        16 lanes x 4 pairs x 2    int8 dot (AVX512_VNNI)
     vnni_avx         vpdpbusd ymm        8 lanes x 4 pairs x 2     int8 dot (AVX-VNNI)
+    madd_avx2        vpmaddwd + vpaddd   8 lanes x 2 pairs x 2     int16 dot (AVX2)
+    maddubs_avx2     vpmaddubsw + vpaddw 16 lanes x 2 pairs x 2    uint8 x int8 dot (AVX2)
 
-and prints GFLOP/s (GOP/s for the int8 dots). Issue 40 takes the engine's GEMM peak on an
-AVX2-only CPU as fma_avx2, on AVX-512 as fma_avx512 for float32 and dpbf16_avx512 for
-bfloat16 weights. Run it beside benchmarks/hardware_limits.py on a quiet machine.
+and prints GFLOP/s (GOP/s for the integer dots). The two AVX2 integer dots are what an
+AVX2 CPU has instead of VNNI, each with the add that accumulates its sums: madd_avx2 is
+the quantized kernels' integer path on bfloat16 rows (x as int16, quant_avx2.h) and the LM
+head's screen; maddubs_avx2 is llama.cpp's for 4- and 8-bit weights against activations
+rounded to 8 bits, which pagedserve does not do. Their multiply reads the accumulator (a
+product of two loop constants would be hoisted out of the loop), so each accumulator's
+chain is a multiply and an add long: 12 of them still keep the multiplier busy.
+
+Issue 40 takes the engine's GEMM peak on an AVX2-only CPU as fma_avx2, on AVX-512 as
+fma_avx512 for float32 and dpbf16_avx512 for bfloat16 weights. On a 2-core Zen 3 VM
+(2026-11-29): fma_avx2 98.7 GFLOP/s on 1 thread, 194.6 on 2; madd_avx2 78.0 and 151.8;
+maddubs_avx2 157.3 and 296.1. So there an int16 path cannot beat float32 FMAs, and only 8-bit
+activations could. Run it beside benchmarks/hardware_limits.py on a quiet machine.
 """
 
 from __future__ import annotations
@@ -77,6 +89,22 @@ KERNELS = {
         "_mm256_dpbusd_avx_epi32(acc[{i}], a, b)",
         8 * 4 * 2,
     ),
+    "madd_avx2": (
+        {"avx2"},
+        ["-mavx2"],
+        "__m256i",
+        "_mm256_set1_epi16(1)",
+        "_mm256_add_epi32(acc[{i}], _mm256_madd_epi16(acc[{i}], a))",
+        8 * 2 * 2,
+    ),
+    "maddubs_avx2": (
+        {"avx2"},
+        ["-mavx2"],
+        "__m256i",
+        "_mm256_set1_epi8(1)",
+        "_mm256_add_epi16(acc[{i}], _mm256_maddubs_epi16(acc[{i}], a))",
+        16 * 2 * 2,
+    ),
 }
 
 
@@ -86,6 +114,7 @@ def kernel_source(name: str) -> str:
     return f"""
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
 /* Issues the instruction {ACCUMULATORS} times per iteration on independent accumulators;
    returns a value that depends on every one, so that none is optimised away. */
 double run_{name}(int64_t iterations, double seed) {{
@@ -97,7 +126,12 @@ double run_{name}(int64_t iterations, double seed) {{
         __asm__ volatile("" : "+x"(a));  /* a is opaque: the loop cannot be folded */
     }}
     double sink = seed;
-    for (int i = 0; i < {ACCUMULATORS}; ++i) sink += ((volatile float*)&acc[i])[0];
+    for (int i = 0; i < {ACCUMULATORS}; ++i) {{
+        float first;  /* memcpy: read through a float pointer, an integer vector's
+                         stores would not alias it, and the loop would be dropped */
+        memcpy(&first, &acc[i], sizeof first);
+        sink += first;
+    }}
     return sink;
 }}
 """
