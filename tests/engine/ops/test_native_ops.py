@@ -54,7 +54,8 @@ def check(name: str, out: torch.Tensor, ref: torch.Tensor, ulps: float) -> None:
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("hidden", [576, 72])  # 72: not a multiple of 16, exercises the tails
+# 72 and 75: not multiples of 16 (the AVX-512 loops' lanes), 75 nor of 8 (AVX2's): the tails
+@pytest.mark.parametrize("hidden", [576, 72, 75])
 def test_rms_norm(dtype: torch.dtype, hidden: int, isa: str) -> None:
     torch.manual_seed(0)
     x = (torch.randn(37, hidden) * 3).to(dtype)
@@ -66,10 +67,11 @@ def test_rms_norm(dtype: torch.dtype, hidden: int, isa: str) -> None:
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_add_rms_norm(dtype: torch.dtype, isa: str) -> None:
+@pytest.mark.parametrize("hidden", [80, 83])  # 83: a tail after 16 and 8 lanes
+def test_add_rms_norm(dtype: torch.dtype, hidden: int, isa: str) -> None:
     torch.manual_seed(1)
-    x, residual = torch.randn(2, 19, 80).to(dtype).unbind(0)
-    weight = torch.randn(80).to(dtype)
+    x, residual = torch.randn(2, 19, hidden).to(dtype).unbind(0)
+    weight = torch.randn(hidden).to(dtype)
     summed = x + residual
     ref = native_ops.rms_norm_reference(summed, weight, 1e-6)
     out, new_residual = add_rms_norm(x.clone(), residual.clone(), weight, 1e-6, isa)
