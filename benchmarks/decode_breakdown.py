@@ -4,15 +4,20 @@ them, metadata, sampling, scheduling, output processing).
 
     python benchmarks/decode_breakdown.py                      # bf16
     python benchmarks/decode_breakdown.py --quantization auto  # the default model's Q4_1 file
+    python benchmarks/decode_breakdown.py --quantization auto --streams 16
 
-The step: one request whose prompt is in the prefix cache, greedy, timed as the difference
-between generating `--steps` + 1 tokens and 1 token (so only decode steps count). Its
-kernels are timed two ways:
+The step: `--streams` requests (one by default) whose prompts are in the prefix cache,
+greedy, timed as the difference between generating `--steps` + 1 tokens and 1 token (so
+only decode steps count). Its kernels are timed two ways:
 
 - in the step: the native decoder layers count the wall time of their linears and attention
   (pagedserve::kernel_time_ns, which also gives attention's share alone), and the LM head is
-  timed around compute_logits, in the same runs as the step itself, so with the caches as a
-  real step leaves them;
+  timed around compute_logits and greedy_tokens, in the same runs as the step itself, so
+  with the caches as a real step leaves them. Around them, the same runs time the native
+  layers' op as a whole (its small ops between the kernels: norms, rotary, the K/V write,
+  SiLU, the activations' conversions, allocation, dispatch), the rest of the forward
+  (embedding, the final norm, the step's metadata), the rest of sampling, and what the
+  engine does outside the model runner (scheduling, output processing);
 - alone: each layer's four linears and its attention, called from Python with the step's own
   weights and page table, and the LM head, as one loop. This pays a Python dispatch per
   kernel (about 150 of them) and runs with the caches warm from the previous pass, so it is
@@ -103,6 +108,35 @@ def kernels_loop(llm: LLM, layer_args: list[tuple[Any, ...]]) -> Callable[[], No
     return loop
 
 
+# What each run times besides the wall clock, by the callable it wraps: (owner, attribute).
+TIMED = {
+    "head": (("model", "compute_logits"), ("model", "greedy_tokens")),
+    "layers_op": (("llama", "run_fused_layers"),),
+    "forward": (("runner", "forward"),),
+    "execute": (("runner", "execute"),),
+}
+
+
+def time_calls(owners: dict[str, Any]) -> dict[str, float]:
+    """Wraps each callable of TIMED in a timer; returns the seconds they add up to, by name
+    (the caller zeroes them)."""
+    totals = dict.fromkeys(TIMED, 0.0)
+    for name, targets in TIMED.items():
+        for owner_name, attribute in targets:
+            owner = owners[owner_name]
+            inner = getattr(owner, attribute)
+
+            def timed(*args: Any, _inner: Any = inner, _name: str = name, **kw: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return _inner(*args, **kw)
+                finally:
+                    totals[_name] += time.perf_counter() - start
+
+            setattr(owner, attribute, timed)
+    return totals
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="model directory (default: bundled)")
@@ -110,6 +144,7 @@ def main() -> None:
     p.add_argument("--quantization", default="none")
     p.add_argument("--quantize-lm-head", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--prompt-len", type=int, default=200)
+    p.add_argument("--streams", type=int, default=1, help="requests decoding together")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args()
@@ -119,63 +154,76 @@ def main() -> None:
         quantization=args.quantization,
         quantize_lm_head=args.quantize_lm_head,
         max_model_len=2048,
+        max_num_seqs=max(args.streams, 1),
     )
     rng = random.Random(0)
-    prompt = [rng.randrange(1000, 40000) for _ in range(args.prompt_len)]
-    layer_args = capture_layer_args(llm, prompt)  # also caches the prompt
-    kernels = kernels_loop(llm, layer_args)
+    prompts = [
+        [rng.randrange(1000, 40000) for _ in range(args.prompt_len)] for _ in range(args.streams)
+    ]
+    kernels = None
+    if args.streams == 1:  # the cross-check replays one request's step
+        kernels = kernels_loop(llm, capture_layer_args(llm, prompts[0]))
+    else:
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
 
-    model = llm.core.runner.model
-    head_s = [0.0]
-    compute_logits = model.compute_logits
+    runner = llm.core.runner
+    totals = time_calls({"model": runner.model, "llama": llama, "runner": runner})
 
-    def timed_head(hidden: torch.Tensor) -> torch.Tensor:
-        start = time.perf_counter()
-        logits = compute_logits(hidden)
-        head_s[0] += time.perf_counter() - start
-        return logits
-
-    model.compute_logits = timed_head
-
-    def generate(n: int) -> tuple[float, float, float, float]:
-        """(wall, layer kernels, of them attention, LM head) seconds of generating n tokens."""
+    def generate(n: int) -> dict[str, float]:
+        """Seconds of generating n tokens: the wall clock, the kernels, the timed calls."""
         torch.ops.pagedserve.kernel_time_ns(True)
-        head_s[0] = 0.0
+        for name in totals:
+            totals[name] = 0.0
         start = time.perf_counter()
-        llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
         wall = time.perf_counter() - start
         kernels_ns, attention_ns = torch.ops.pagedserve.kernel_time_ns(False)
-        return wall, 1e-9 * kernels_ns, 1e-9 * attention_ns, head_s[0]
+        measured = {"wall": wall, "kernels": 1e-9 * kernels_ns, "attention": 1e-9 * attention_ns}
+        return measured | totals
 
-    best: tuple[float, float, float, float] | None = None  # per decode step, ms
+    best: dict[str, float] | None = None  # per decode step, ms
     kernel_ms = float("inf")
     for _ in range(args.rounds):
-        one = min((generate(1) for _ in range(2)), key=lambda r: r[0])
+        one = min((generate(1) for _ in range(2)), key=lambda r: r["wall"])
         many = generate(args.steps + 1)
-        step = tuple(1e3 * (m - o) / args.steps for m, o in zip(many, one, strict=True))
-        if best is None or step[0] < best[0]:
-            best = step  # type: ignore[assignment]
-        kernel_ms = min(kernel_ms, best_ms(kernels, args.steps))
+        step = {k: 1e3 * (many[k] - one[k]) / args.steps for k in many}
+        if best is None or step["wall"] < best["wall"]:
+            best = step
+        if kernels is not None:
+            kernel_ms = min(kernel_ms, best_ms(kernels, args.steps))
     assert best is not None
-    step_ms, layers_ms, attention_ms, head_ms = best
+    step_ms, layers_ms, head_ms = best["wall"], best["kernels"], best["head"]
     result = {
         "quantization": args.quantization,
         "quantize_lm_head": llm.config.quant.lm_head,
+        "streams": args.streams,
         "decode_step_ms": step_ms,
         "in_step_layer_kernels_ms": layers_ms,
-        "in_step_attention_ms": attention_ms,
+        "in_step_attention_ms": best["attention"],
         "in_step_lm_head_ms": head_ms,
+        "in_step_layers_small_ops_ms": best["layers_op"] - layers_ms,
+        "in_step_forward_rest_ms": best["forward"] - best["layers_op"],
+        "in_step_sampling_rest_ms": best["execute"] - best["forward"] - head_ms,
+        "outside_model_runner_ms": step_ms - best["execute"],
         "outside_kernels": 1 - (layers_ms + head_ms) / step_ms,
-        "kernels_alone_ms": kernel_ms,
-        "outside_kernels_alone": 1 - kernel_ms / step_ms,
     }
     print(
-        f"{args.quantization}: decode step {step_ms:.2f} ms; in it, the layers' linears and "
-        f"attention {layers_ms:.2f} ms (attention {attention_ms:.2f}) and the LM head "
-        f"{head_ms:.2f} ms: "
-        f"{100 * result['outside_kernels']:.0f}% outside them (the kernels alone, from "
-        f"Python: {kernel_ms:.2f} ms, {100 * result['outside_kernels_alone']:.0f}%)"
+        f"{args.quantization}, {args.streams} stream(s): decode step {step_ms:.2f} ms; in it, "
+        f"the layers' linears and attention {layers_ms:.2f} ms (attention "
+        f"{best['attention']:.2f}) and the LM head {head_ms:.2f} ms: "
+        f"{100 * result['outside_kernels']:.0f}% outside them, of which the layers' small ops "
+        f"{result['in_step_layers_small_ops_ms']:.2f}, the rest of the forward "
+        f"{result['in_step_forward_rest_ms']:.2f}, of sampling "
+        f"{result['in_step_sampling_rest_ms']:.2f}, outside the model runner "
+        f"{result['outside_model_runner_ms']:.2f}"
     )
+    if kernels is not None:
+        result["kernels_alone_ms"] = kernel_ms
+        result["outside_kernels_alone"] = 1 - kernel_ms / step_ms
+        print(
+            f"the kernels alone, from Python: {kernel_ms:.2f} ms, "
+            f"{100 * result['outside_kernels_alone']:.0f}% outside them"
+        )
     print(json.dumps(result))
 
 
