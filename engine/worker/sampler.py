@@ -382,7 +382,7 @@ def _ranked_drop(
     top_k = device_tensor(k_values, device)
     ranks = torch.arange(count, device=device)[None, :]
     drop = ranks >= top_k[:, None]
-    top_p = device_tensor(p_values, device, logits.dtype)
+    top_p = device_tensor(_nucleus_thresholds(p_values), device, logits.dtype)
     # log of the normaliser: over the candidates where top_k keeps no more of them, else
     # over the whole row (a row without top_k, whose candidates are not the whole row).
     within = torch.logsumexp(values.masked_fill(drop, _MASK), dim=-1)
@@ -397,6 +397,13 @@ def _ranked_drop(
     return drop, cumulative[:, -1]
 
 
+def _nucleus_thresholds(p_values: list[float]) -> list[float]:
+    """The mass before a token from which top_p drops it: top_p, or infinity where top_p is
+    1 (a row without top_p, batched beside one with it). A float32 running sum can reach 1
+    before the last token of a peaked row, which would drop the rest of that row."""
+    return [p if p < 1.0 else float("inf") for p in p_values]
+
+
 def _top_k_top_p_drop(
     logits: torch.Tensor, k_values: list[int], p_values: list[float]
 ) -> torch.Tensor:
@@ -407,7 +414,7 @@ def _top_k_top_p_drop(
     ranks = torch.arange(logits.shape[-1], device=device)[None, :]
     drop = ranks >= top_k[:, None]
     if any(p < 1.0 for p in p_values):
-        top_p = device_tensor(p_values, device, logits.dtype)
+        top_p = device_tensor(_nucleus_thresholds(p_values), device, logits.dtype)
         probs = torch.softmax(sorted_logits.masked_fill(drop, _MASK), dim=-1)
         # Keep a token while the mass before it is below top_p; the first always stays.
         mass_before = probs.cumsum(dim=-1) - probs
