@@ -61,6 +61,14 @@ SETTINGS = {
     "B512-T64": "--max-num-batched-tokens 512 --long-prefill-token-threshold 64",
     "B256-T64-P2": "--max-num-batched-tokens 256 --long-prefill-token-threshold 64 "
     "--max-num-partial-prefills 2 --max-long-partial-prefills 2",
+    # The cap beside decodes in time, as a multiple of a step of decodes alone (all
+    # prefills of a step together), no threshold.
+    "B256-R1": "--max-num-batched-tokens 256 --prefill-time-beside-decodes 1",
+    "B256-R2": "--max-num-batched-tokens 256 --prefill-time-beside-decodes 2",
+    "B256-R3": "--max-num-batched-tokens 256 --prefill-time-beside-decodes 3",
+    "B256-R4": "--max-num-batched-tokens 256 --prefill-time-beside-decodes 4",
+    # Whatever the defaults are now.
+    "default": "",
 }
 LLAMA_SERVER = "llama-server"
 LATENCIES = ("itl_p50_s", "itl_p99_s", "ttft_p50_s", "ttft_p99_s", "short_ttft_p50_s")

@@ -44,16 +44,22 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu-native", "flashinfer")
 # beside it: in a sweep of 128/256/512 (docs/benchmarks.md), 256 halved the ITL p99 at 16
 # and 64 concurrent streams against 512 for about 3% of output tok/s; 128 cost 12%.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 256, "cuda": 8192}
-# The most prompt tokens one request prefills in a step that also decodes, when
-# --long-prefill-token-threshold is not given. On the CPU, again, a step's prefill tokens set
-# the ITL of the streams decoding beside them (16 decodes took 50 ms a step on a 2-core AVX2
+# The most prompt tokens, all prefills together, in a step that also decodes, when
+# --long-prefill-token-threshold is not given: the cap until the time a prompt token takes
+# is known (DEFAULT_PREFILL_TIME_BESIDE_DECODES). On the CPU a step's prefill tokens set the
+# ITL of the streams decoding beside them (16 decodes took 50 ms a step on a 2-core AVX2
 # machine, and each prefill token 2 ms more): in mixed_load.py's sweep (docs/benchmarks.md),
-# 64 took the ITL p99 to 0.41x of chunks of the whole budget (256) at 16 streams of
-# 200-token prompts and to 0.43x beside 1-2k-token prompts, for 0-3% of output tok/s; 32 cost
-# 5-12% and no lower p99 at 16. A step with no decodes keeps the whole budget, so a prompt
-# that arrives alone is not slowed by smaller steps. On GPU, and for embeddings (no decodes),
-# none: vLLM's default applies.
+# 64 per request took the ITL p99 to 0.41x of chunks of the whole budget (256) at 16 streams
+# of 200-token prompts and to 0.43x beside 1-2k-token prompts, for 0-3% of output tok/s. A
+# step with no decodes keeps the whole budget, so a prompt that arrives alone is not slowed
+# by smaller steps. On GPU, and for embeddings (no decodes), none: vLLM's default applies.
 DEFAULT_PREFILL_CHUNK_BESIDE_DECODES = {"cpu": 64, "cuda": 0}
+# The same cap in time (--prefill-time-beside-decodes), once the steps have shown what a
+# prompt token and a step of decodes take: a multiple of the latter. 64 tokens were 19 ms on
+# a Zen 5 VM but 86-115 ms on a Zen 3 one, whose step of 16 decodes took 50-60 ms; there, in
+# mixed_load.py's sweep (docs/benchmarks.md), 1 put the ITL p99 at 16 streams under
+# llama-server's, where 64 tokens a request did not. GPU: none.
+DEFAULT_PREFILL_TIME_BESIDE_DECODES = {"cpu": 1.0, "cuda": 0.0}
 
 
 def _arg(default: Any, help: str, **extra: Any) -> Any:
@@ -104,6 +110,15 @@ class EngineArgs:
         "vLLM's, 0, or 4 percent of --max-model-len with --max-num-partial-prefills above 1; "
         "and on CPU, but for --task embed, 64 in a step that also decodes, where a step's "
         "prefill tokens set the ITL of the streams decoding beside them",
+    )
+    prefill_time_beside_decodes: float | None = _arg(
+        None,
+        "in a step that also decodes, cap its prompt tokens, all prefills together, at those "
+        "that take about this many times as long as its decodes alone, both as recent steps' "
+        "times show them (at least 32 tokens), so that a stream decoding beside prefills waits "
+        "about 1 + this times a step of decodes for its token; 0 turns it off. Default: on "
+        "CPU 1 (until the steps have shown their times, 64 tokens), but for --task embed, with "
+        "--long-prefill-token-threshold or with --async-scheduling; on GPU 0",
     )
     max_model_len: int | None = _arg(None, "longest prompt plus output (default: the model's)")
     num_kv_blocks: int | None = _arg(None, "KV cache blocks (overrides the memory budgets)")
@@ -350,9 +365,12 @@ class SchedulerConfig:
     max_num_partial_prefills: int = 1
     max_long_partial_prefills: int = 1
     long_prefill_token_threshold: int = 0  # 0: no cap but the budget, and no prefill is long
-    # The most prompt tokens one request prefills in a step that also decodes (0: none
+    # The most prompt tokens, all prefills together, in a step that also decodes (0: none
     # but the above); a default of the device, where the threshold was not given.
     prefill_chunk_beside_decodes: int = 0
+    # The same cap in time, as a multiple of a step of decodes alone (Scheduler.
+    # prefill_tokens_beside_decodes); prefill_chunk_beside_decodes until that is known. 0: off.
+    prefill_time_beside_decodes: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -369,6 +387,7 @@ class SchedulerConfig:
             self.long_prefill_token_threshold,
             self.max_model_len,
         )
+        check_prefill_time(self.prefill_time_beside_decodes, self.async_scheduling)
 
     def describe_prefill_limits(self) -> str:
         """The partial-prefill limits for the startup line, "" where they are vLLM's defaults
@@ -376,10 +395,15 @@ class SchedulerConfig:
         parts = []
         if self.long_prefill_token_threshold:
             parts.append(f"prefill chunks of at most {self.long_prefill_token_threshold} tokens")
-        if self.prefill_chunk_beside_decodes:
+        if self.prefill_time_beside_decodes:
+            until = self.prefill_chunk_beside_decodes or "no cap"
             parts.append(
-                f"prefill chunks of at most {self.prefill_chunk_beside_decodes} tokens "
-                "beside decodes"
+                f"prompt tokens of {self.prefill_time_beside_decodes:g}x the decodes' time at "
+                f"most beside decodes (until timed, {until})"
+            )
+        elif self.prefill_chunk_beside_decodes:
+            parts.append(
+                f"at most {self.prefill_chunk_beside_decodes} prompt tokens beside decodes"
             )
         if self.max_num_partial_prefills > 1:
             parts.append(
@@ -387,6 +411,20 @@ class SchedulerConfig:
                 f"({self.max_long_partial_prefills} long)"
             )
         return "".join(f", {part}" for part in parts)
+
+
+def check_prefill_time(ratio: float | None, async_scheduling: bool | None) -> None:
+    """Raises ValueError for a --prefill-time-beside-decodes that cannot run: the steps are
+    timed one at a time, which overlapped steps are not."""
+    if ratio is None or ratio == 0:
+        return
+    if not 0 < ratio < float("inf"):
+        raise ValueError(f"--prefill-time-beside-decodes must be 0 (off) or positive, got {ratio}")
+    if async_scheduling:
+        raise ValueError(
+            "--prefill-time-beside-decodes does not run with --async-scheduling: it times "
+            "each step, and overlapped steps have no time of their own"
+        )
 
 
 def check_partial_prefills(
@@ -551,23 +589,33 @@ def resolve_scheduler_config(
         lookahead,
         args.max_num_partial_prefills,
         args.max_long_partial_prefills,
-        *resolve_prefill_chunks(args, model.max_model_len, device_type, model.task),
+        *resolve_prefill_chunks(args, model.max_model_len, device_type, model.task, overlap),
     )
 
 
 def resolve_prefill_chunks(
-    args: EngineArgs, max_model_len: int, device_type: str, task: str = "generate"
-) -> tuple[int, int]:
-    """(long_prefill_token_threshold, prefill_chunk_beside_decodes): the flag as given and no
-    cap beside decodes; else vLLM's default threshold (4% of max_model_len where several
+    args: EngineArgs,
+    max_model_len: int,
+    device_type: str,
+    task: str = "generate",
+    async_scheduling: bool = False,
+) -> tuple[int, int, float]:
+    """(long_prefill_token_threshold, prefill_chunk_beside_decodes,
+    prefill_time_beside_decodes): the threshold as given and no cap beside decodes but the
+    one in time, if given; else vLLM's default threshold (4% of max_model_len where several
     partial prefills may run at once, as each then needs a cap below the budget, else 0) and
-    this device's cap beside decodes for an engine that generates (an embedding engine has
-    no decodes to keep waiting less)."""
+    this device's caps beside decodes for an engine that generates (an embedding engine has
+    no decodes to keep waiting less), in time only where steps run one at a time."""
+    ratio = args.prefill_time_beside_decodes
     if args.long_prefill_token_threshold is not None:
-        return args.long_prefill_token_threshold, 0
+        return args.long_prefill_token_threshold, 0, ratio or 0.0
     threshold = int(max_model_len * 0.04) if args.max_num_partial_prefills > 1 else 0
-    beside = DEFAULT_PREFILL_CHUNK_BESIDE_DECODES[device_type] if task == "generate" else 0
-    return threshold, beside
+    generates = task == "generate"
+    beside = DEFAULT_PREFILL_CHUNK_BESIDE_DECODES[device_type] if generates else 0
+    if ratio is None:
+        timed = generates and not async_scheduling
+        ratio = DEFAULT_PREFILL_TIME_BESIDE_DECODES[device_type] if timed else 0.0
+    return threshold, beside, ratio
 
 
 def resolve_lora_config(args: EngineArgs) -> LoRAConfig | None:
@@ -598,6 +646,7 @@ def check_scheduling_options(args: EngineArgs) -> None:
         args.long_prefill_token_threshold,
         args.max_model_len,
     )
+    check_prefill_time(args.prefill_time_beside_decodes, args.async_scheduling)
     if args.async_scheduling and args.tensor_parallel_size > 1:
         raise ValueError(
             "--async-scheduling does not run with --tensor-parallel-size > 1: the workers "

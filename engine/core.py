@@ -217,7 +217,9 @@ class EngineCore:
             scheduler_output = self.scheduler.schedule()
             if not scheduler_output.scheduled:
                 self._wait_for_grammars()
+            start = time.perf_counter()
             runner_output = self.runner.execute(scheduler_output)
+            self.scheduler.observe_step_time(time.perf_counter() - start)
             result = self.scheduler.update_from_output(scheduler_output, runner_output)
             if isinstance(self.proposer, DraftModelProposer):
                 self.proposer.propose(self.scheduler.running, runner_output.draft_token_ids)

@@ -4,22 +4,27 @@ requests are prefills rather than decodes (pure Python).
 - `long_prefill_token_threshold` (T, 0 = off) caps each request's prefill chunk at T
   tokens, as vLLM V1 does, and makes a prefill with more than T tokens still to compute
   *long*, as vLLM V0 counted them.
-- `prefill_chunk_beside_decodes` (D, 0 = off; the CPU's default where T is not given) caps
-  each chunk at D tokens in a step that also decodes, so the streams decoding wait for few
-  prompt tokens, while a step of prompts alone keeps the whole budget.
+- In a step that also decodes, the prompt tokens of all its prefills together are capped
+  at `beside` tokens (0 = off; the CPU's default where T is not given), so that the streams
+  decoding wait for few prompt tokens, while a step of prompts alone keeps the whole budget.
+  The scheduler sets `beside` each step: by --prefill-time-beside-decodes and the steps'
+  times (step_cost.py) once those are known, else `prefill_chunk_beside_decodes`.
 - A prefill is *partial* after a step when its chunk stops short of its prompt's end, cut
-  by T, by D or by the budget (a running prefill left out of a step is left out for want of
-  budget, when nothing else is admitted either). At most
-  `max_num_partial_prefills` (N) requests are partial at once, and at most
-  `max_long_partial_prefills` (M) of them long. A chunk that finishes its prompt needs no
-  slot, so short prompts are never held back by these limits.
+  by T, by `beside` or by the budget (a running prefill left out of a step is left out for
+  want of budget, when nothing else is admitted either). At most `max_num_partial_prefills`
+  (N) requests are partial at once, and at most `max_long_partial_prefills` (M) of them long.
+  A chunk that finishes its prompt needs no slot, so short prompts are never held back by
+  these limits.
 
-With T = 64, N = 1 and a budget of 256, a step beside 16 decodes:
+With T = 64, N = 1, a budget of 256 and no cap beside decodes, a step beside 16 decodes:
 
     decodes           16 x 1 token    always first
     A (1500 left)     64 tokens       partial and long: takes the one slot
     B (1800 left)     waits           would be partial: no slot left; keeps its place
     C (40 left)       40 tokens       finishes its prompt: needs no slot
+
+With `beside` = 80 as well, C gets 16 tokens and is left partial, which it may not be (A
+holds the one slot): C waits, and keeps its place.
 """
 
 from __future__ import annotations
@@ -29,17 +34,29 @@ from engine.request import Request
 
 
 class PrefillSlots:
-    """One step's partial-prefill slots. `chunk` decides a prefill's tokens; `take` books them.
-    A new instance per step; the scheduler sets `decoding` once the step holds a decode."""
+    """One step's partial-prefill slots. `chunk` decides a prefill's tokens; `take` books them,
+    and `decode` a decode, which the scheduler books first. A new instance per step."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, beside: int | None = None) -> None:
         self.threshold = config.long_prefill_token_threshold
         self.max_partial = config.max_num_partial_prefills
         self.max_long = config.max_long_partial_prefills
         self.num_partial = 0
         self.num_long = 0
-        self.beside_decodes = config.prefill_chunk_beside_decodes
-        self.decoding = False
+        # Prompt tokens still allowed in this step if it decodes (None: no cap).
+        if beside is None:
+            beside = config.prefill_chunk_beside_decodes
+        self.beside_left = beside or None
+        self.num_decodes = 0
+        self.num_prompt_tokens = 0
+
+    @property
+    def decoding(self) -> bool:
+        return self.num_decodes > 0
+
+    def decode(self) -> None:
+        """Books a decoding request."""
+        self.num_decodes += 1
 
     def chunk(self, remaining: int, budget: int) -> int:
         """The tokens a prefill with `remaining` tokens to compute may take this step, at
@@ -47,8 +64,10 @@ class PrefillSlots:
         num_new = min(remaining, budget)
         if self.threshold:
             num_new = min(num_new, self.threshold)
-        if self.decoding and self.beside_decodes:
-            num_new = min(num_new, self.beside_decodes)
+        if self.decoding and self.beside_left is not None:
+            num_new = min(num_new, self.beside_left)
+            if num_new == 0:
+                return 0
         if num_new == remaining:
             return num_new
         if self.num_partial >= self.max_partial:
@@ -59,6 +78,9 @@ class PrefillSlots:
 
     def take(self, remaining: int, num_new: int) -> None:
         """Books the slots of a prefill given `num_new` of its `remaining` tokens."""
+        self.num_prompt_tokens += num_new
+        if self.decoding and self.beside_left is not None:
+            self.beside_left -= num_new
         if num_new >= remaining:
             return
         self.num_partial += 1

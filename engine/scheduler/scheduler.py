@@ -19,6 +19,7 @@ from engine.scheduler.output import (
     StepResult,
 )
 from engine.scheduler.prefill_slots import PrefillSlots, decodes_first, is_prefilling
+from engine.scheduler.step_cost import StepCost
 
 # The states whose requests take a step's output: preempted ones too, since with async
 # scheduling a request may be preempted while a step that samples for it is still running.
@@ -56,6 +57,10 @@ class Scheduler:
         # accepted drafts], and accepted drafts by position.
         self._spec_counts = [0, 0, 0]
         self._spec_accepted_per_pos: list[int] = []
+        # What a step's decodes and prompt tokens take (--prefill-time-beside-decodes), and
+        # the last step's decoding requests and prompt tokens, for observe_step_time.
+        self.step_cost = StepCost()
+        self._last_mix = (0, 0)
 
     # ---- between steps -------------------------------------------------------------
 
@@ -99,12 +104,32 @@ class Scheduler:
         within the partial-prefill limits (PrefillSlots)."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
-        slots = PrefillSlots(self.config)
+        slots = PrefillSlots(self.config, self.prefill_tokens_beside_decodes())
         budget, preempted = self._schedule_running(budget, scheduled, slots)
         if not preempted:
             self._schedule_waiting(budget, scheduled, slots)
         finished, self._finished_ids = self._finished_ids, set()
+        self._last_mix = (slots.num_decodes, slots.num_prompt_tokens)
         return SchedulerOutput(scheduled, finished)
+
+    def prefill_tokens_beside_decodes(self) -> int:
+        """The next step's cap on prompt tokens, all prefills together, if it decodes (0:
+        none). With --prefill-time-beside-decodes R, once the steps' times are known: the
+        tokens that take R times a step of the running decodes alone (at least
+        step_cost.MIN_TOKENS); else the cap in tokens."""
+        ratio = self.config.prefill_time_beside_decodes
+        fallback = self.config.prefill_chunk_beside_decodes
+        if not ratio:
+            return fallback
+        decodes = sum(1 for r in self.running if not is_prefilling(r))
+        decode_ms = self.step_cost.decode_ms(decodes) if decodes else None
+        tokens = None if decode_ms is None else self.step_cost.tokens_within(ratio * decode_ms)
+        return fallback if tokens is None else tokens
+
+    def observe_step_time(self, seconds: float) -> None:
+        """The time the last scheduled step took to run (the model runner's execute),
+        which teaches --prefill-time-beside-decodes what decodes and prompt tokens cost."""
+        self.step_cost.observe(*self._last_mix, seconds)
 
     def _schedule_running(
         self, budget: int, scheduled: list[ScheduledRequest], slots: PrefillSlots
@@ -134,7 +159,7 @@ class Scheduler:
             if prefilling:
                 slots.take(remaining, num_new)
             else:
-                slots.decoding = True
+                slots.decode()
             block_ids = [b.block_id for b in new_blocks]
             groups = other_group_ids(new_blocks)
             scheduled.append(self._scheduled(request, num_new, block_ids, group_block_ids=groups))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -85,22 +86,38 @@ def test_chunked_prefill(tiny) -> None:
 @pytest.mark.parametrize(
     ("limits", "chunks"),
     [
-        (dict(long_prefill_token_threshold=8), (8, 0)),
-        (dict(long_prefill_token_threshold=12, max_num_partial_prefills=3), (12, 0)),
-        (dict(max_num_partial_prefills=2, max_long_partial_prefills=2), (10, 64)),
-        (dict(max_num_batched_tokens=96), (0, 64)),
+        (dict(long_prefill_token_threshold=8), (8, 0, 0.0)),
+        (dict(long_prefill_token_threshold=12, max_num_partial_prefills=3), (12, 0, 0.0)),
+        (dict(max_num_partial_prefills=2, max_long_partial_prefills=2), (10, 64, 1.0)),
+        (dict(max_num_batched_tokens=96), (0, 64, 1.0)),
+        (dict(max_num_batched_tokens=96, prefill_time_beside_decodes=0.01), (0, 64, 0.01)),
     ],
-    ids=["threshold-8", "threshold-12-three-partial", "two-long-partial", "beside-decodes"],
+    ids=[
+        "threshold-8",
+        "threshold-12-three-partial",
+        "two-long-partial",
+        "beside-decodes",
+        "beside-decodes-in-time",
+    ],
 )
-def test_partial_prefill_limits(tiny, limits: dict[str, int], chunks: tuple[int, int]) -> None:
+def test_partial_prefill_limits(
+    tiny, limits: dict[str, Any], chunks: tuple[int, int, float]
+) -> None:
     """Chunks capped by --long-prefill-token-threshold, several prompts part-way at once
     (with two and no threshold given, it is 4% of max_model_len: 10 tokens here), and the
-    CPU's default cap of 64 tokens in a step that also decodes."""
+    CPU's default caps in a step that also decodes: 64 tokens until the steps are timed,
+    then --prefill-time-beside-decodes' (at a ratio of 0.01, step_cost.MIN_TOKENS)."""
     path, prompts, _, reference, _ = tiny
     llm = tiny_llm(path, **{"max_num_batched_tokens": 32, **limits})
     config = llm.core.scheduler.config
-    assert (config.long_prefill_token_threshold, config.prefill_chunk_beside_decodes) == chunks
+    assert (
+        config.long_prefill_token_threshold,
+        config.prefill_chunk_beside_decodes,
+        config.prefill_time_beside_decodes,
+    ) == chunks
     assert engine_tokens(llm, prompts) == reference
+    if config.prefill_time_beside_decodes:  # the steps were timed: the cap in time applied
+        assert llm.core.scheduler.step_cost.ms_per_token() is not None
 
 
 def test_prefix_cache_hits(tiny) -> None:

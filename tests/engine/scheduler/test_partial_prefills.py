@@ -5,6 +5,7 @@ part-way through prefill, and running decodes take the budget before any prefill
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
@@ -17,7 +18,7 @@ from engine.config import (
 from engine.kv_cache import KVCacheManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler, SchedulerOutput, step_cost
 from tests.engine.scheduler.test_scheduler import (
     EOS,
     check_step_invariants,
@@ -35,6 +36,7 @@ def make_scheduler(
     num_blocks: int = 64,
     max_model_len: int = 64,
     beside_decodes: int = 0,
+    beside_ratio: float = 0.0,
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs=8,
@@ -44,6 +46,7 @@ def make_scheduler(
         max_long_partial_prefills=max_long,
         long_prefill_token_threshold=threshold,
         prefill_chunk_beside_decodes=beside_decodes,
+        prefill_time_beside_decodes=beside_ratio,
     )
     return Scheduler(config, KVCacheManager(num_blocks, 4, True))
 
@@ -149,25 +152,73 @@ def test_the_cap_beside_decodes_leaves_a_step_of_prompts_alone_its_budget() -> N
     assert step(sched) == [("c", 10)]
 
 
-def test_defaults_leave_chunking_to_the_budget() -> None:
-    sched = make_scheduler(budget=16)
-    sched.add_request(make_request("a", 20, base=100))
-    sched.add_request(make_request("b", 20, base=200))
-    assert step(sched) == [("a", 16)]
-    assert step(sched) == [("a", 4), ("b", 12)]
+def test_prompts_beside_decodes_share_one_cap() -> None:
+    sched = make_scheduler(budget=32, beside_decodes=6)
+    sched.add_request(make_request("a", 4, base=100, max_tokens=8))
+    assert step(sched) == [("a", 4)]
+    for rid, base in (("b", 200), ("c", 300), ("d", 400)):
+        sched.add_request(make_request(rid, 3, base=base, max_tokens=2))
+    # Beside a's decode, b's and c's prompts take the 6 tokens; none are left for d, which
+    # waits, first in line.
+    assert step(sched) == [("a", 1), ("b", 3), ("c", 3)]
+    assert [r.request_id for r in sched.waiting] == ["d"]
+    assert step(sched) == [("a", 1), ("b", 1), ("c", 1), ("d", 3)]
 
 
-def check_limits(sched: Scheduler, output: SchedulerOutput, decodes: set[str]) -> None:
-    """The limits of one step, checked after it was scheduled and before it ran."""
+def test_the_cap_in_time_follows_the_steps_times() -> None:
+    """Before the steps' times are known, the cap in tokens; after, as many tokens as take
+    as long as a step of the decodes alone (--prefill-time-beside-decodes 1): with 2 ms a
+    step, 8 ms a decode and 0.25 ms a prompt token, 40 beside one decode, 72 beside two."""
+    sched = make_scheduler(budget=128, beside_decodes=4, beside_ratio=1.0, max_model_len=256)
+    sched.add_request(make_request("a", 2, base=100, max_tokens=200))
+
+    def timed_step() -> list[tuple[str, int]]:
+        decoding = {
+            r.request_id for r in sched.running if r.num_tokens - r.num_computed_tokens == 1
+        }
+        output = sched.schedule()
+        fake_step(sched, output)
+        decodes = sum(1 for s in output.scheduled if s.request_id in decoding)
+        prompt_tokens = sum(s.num_new_tokens for s in output.scheduled) - decodes
+        sched.observe_step_time((2 + 8 * decodes + prompt_tokens / 4) / 1e3)
+        return tokens(output)
+
+    assert timed_step() == [("a", 2)]  # a prompt alone: the cap beside decodes has no say
+    for _ in range(3):
+        assert timed_step() == [("a", 1)]
+    sched.add_request(make_request("b", 100, base=200, max_tokens=50))
+    # The steps of prompt tokens seen are too few yet: 4 tokens a step.
+    assert [timed_step() for _ in range(2)] == [[("a", 1), ("b", 4)]] * 2
+    assert sched.prefill_tokens_beside_decodes() in (39, 40)
+    assert timed_step()[1][1] in (39, 40)
+    b = sched.requests["b"]
+    while b.num_computed_tokens < b.num_prompt_tokens:
+        timed_step()
+    # b decodes beside a now, and c's prompt arrives: a step of two decodes takes 18 ms.
+    sched.add_request(make_request("c", 100, base=300, max_tokens=1))
+    cap = sched.prefill_tokens_beside_decodes()
+    assert cap in (71, 72)
+    assert timed_step() == [("a", 1), ("b", 1), ("c", cap)]
+    # Were prompt tokens to cost 200 ms, each step would still move 32 (step_cost.MIN_TOKENS).
+    for prompt_tokens in [0, 4, 10] * 100:
+        sched.step_cost.observe(2, prompt_tokens, (18 + 200 * prompt_tokens) / 1e3)
+    assert sched.prefill_tokens_beside_decodes() == 32
+
+
+def check_limits(sched: Scheduler, output: SchedulerOutput, decodes: set[str], beside: int) -> None:
+    """The limits of one step, checked after it was scheduled and before it ran (`beside`:
+    its cap on prompt tokens beside decodes, as it was before it was scheduled)."""
     config = sched.config
     threshold = config.long_prefill_token_threshold
-    beside = config.prefill_chunk_beside_decodes
     decoding = any(entry.request_id in decodes for entry in output.scheduled)
+    prompt_tokens = 0
     for entry in output.scheduled:
-        if entry.request_id not in decodes and threshold:
-            assert entry.num_new_tokens <= threshold
-        if entry.request_id not in decodes and decoding and beside:
-            assert entry.num_new_tokens <= beside
+        if entry.request_id not in decodes:
+            prompt_tokens += entry.num_new_tokens
+            if threshold:
+                assert entry.num_new_tokens <= threshold
+    if decoding and beside:
+        assert prompt_tokens <= beside
     # Every decode got its token: decodes alone never exceed these budgets.
     still_running = {r.request_id for r in sched.running}
     assert decodes & still_running <= {s.request_id for s in output.scheduled}
@@ -180,23 +231,32 @@ def check_limits(sched: Scheduler, output: SchedulerOutput, decodes: set[str]) -
 
 
 @pytest.mark.parametrize(
-    ("threshold", "max_partial", "max_long", "beside", "seed"),
+    ("threshold", "max_partial", "max_long", "beside", "beside_ratio", "seed"),
     [
-        (0, 1, 1, 0, 0),
-        (8, 1, 1, 0, 1),
-        (6, 3, 1, 0, 2),
-        (5, 2, 2, 0, 3),
-        (0, 2, 1, 0, 4),
-        (0, 1, 1, 4, 5),
-        (10, 2, 1, 3, 6),
+        (0, 1, 1, 0, 0.0, 0),
+        (8, 1, 1, 0, 0.0, 1),
+        (6, 3, 1, 0, 0.0, 2),
+        (5, 2, 2, 0, 0.0, 3),
+        (0, 2, 1, 0, 0.0, 4),
+        (0, 1, 1, 4, 0.0, 5),
+        (10, 2, 1, 3, 0.0, 6),
+        (0, 2, 1, 12, 1.5, 7),  # the least cap in time (step_cost.MIN_TOKENS) made 2
     ],
 )
 def test_randomized_soak_within_limits(
-    threshold: int, max_partial: int, max_long: int, beside: int, seed: int
+    threshold: int,
+    max_partial: int,
+    max_long: int,
+    beside: int,
+    beside_ratio: float,
+    seed: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Random arrivals, aborts and preemptions: each step holds every limit, and no
-    running decode misses a step."""
+    running decode misses a step. Each step is timed at 2 ms, 1 ms a decode and 0.5 ms a
+    prompt token, give or take 20%, for the cap in time where it is on."""
     rng = random.Random(seed)
+    monkeypatch.setattr(step_cost, "MIN_TOKENS", 2)
     sched = make_scheduler(
         budget=24,
         threshold=threshold,
@@ -205,8 +265,10 @@ def test_randomized_soak_within_limits(
         num_blocks=16,
         max_model_len=52,
         beside_decodes=beside,
+        beside_ratio=beside_ratio,
     )
     next_id = finished = preemptions = 0
+    caps = set()
     for _ in range(1200):
         if rng.random() < 0.3:
             prompt = [rng.randrange(1, 50) for _ in range(rng.choice([2, 5, 12, 30, 40]))]
@@ -216,15 +278,24 @@ def test_randomized_soak_within_limits(
         if sched.requests and rng.random() < 0.03:
             sched.finish_requests([rng.choice(list(sched.requests))])
         decodes = {r.request_id for r in sched.running if r.num_tokens - r.num_computed_tokens == 1}
+        cap = sched.prefill_tokens_beside_decodes()
+        caps.add(cap)
         output = sched.schedule()
         check_step_invariants(sched, output)
-        check_limits(sched, output, decodes)
+        check_limits(sched, output, decodes, cap)
+        prompt_tokens = sum(
+            s.num_new_tokens for s in output.scheduled if s.request_id not in decodes
+        )
+        ms = 2 + len(decodes & {s.request_id for s in output.scheduled}) + prompt_tokens / 2
+        sched.observe_step_time(ms * rng.uniform(0.8, 1.2) / 1e3)
         result = fake_step(sched, output, lambda r: rng.randrange(0, 50))
         preemptions += result.stats.num_preemptions
         finished += sum(1 for o in result.outputs if o.finished)
     run_to_completion(sched, max_steps=5000)
     assert finished > 50
     assert preemptions > 0, "the soak should exercise preemption"
+    if beside_ratio:  # the cap in tokens at first, then in time
+        assert beside in caps and len(caps) > 3, caps
     assert sched.kv_cache.pool.num_free_blocks == sched.kv_cache.pool.num_blocks
 
 
@@ -242,32 +313,53 @@ def test_randomized_soak_within_limits(
             {"long_prefill_token_threshold": 600, "max_model_len": 512},
             r"\(600\) cannot be greater than max_model_len \(512\)",
         ),
+        ({"prefill_time_beside_decodes": -5.0}, "must be 0 \\(off\\) or positive, got -5.0"),
+        ({"prefill_time_beside_decodes": float("nan")}, "must be 0 \\(off\\) or positive"),
+        (
+            {"prefill_time_beside_decodes": 2.0, "async_scheduling": True},
+            "does not run with --async-scheduling",
+        ),
     ],
 )
-def test_flag_validation(values: dict[str, int], message: str) -> None:
+def test_flag_validation(values: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         check_scheduling_options(EngineArgs(**values))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
-    ("values", "max_model_len", "device", "task", "chunks"),
+    ("values", "device", "task", "overlap", "chunks"),
     [
-        ({}, 8192, "cpu", "generate", (0, 64)),
-        ({"long_prefill_token_threshold": 0}, 8192, "cpu", "generate", (0, 0)),
-        ({"long_prefill_token_threshold": 32}, 8192, "cpu", "generate", (32, 0)),
-        ({"max_num_partial_prefills": 2}, 8192, "cpu", "generate", (327, 64)),
-        ({}, 8192, "cpu", "embed", (0, 0)),
-        ({}, 8192, "cuda", "generate", (0, 0)),
-        ({"max_num_partial_prefills": 2}, 8192, "cuda", "generate", (327, 0)),  # vLLM's 4%
-        ({"long_prefill_token_threshold": 100}, 8192, "cuda", "generate", (100, 0)),
+        ({}, "cpu", "generate", False, (0, 64, 1.0)),
+        ({"long_prefill_token_threshold": 0}, "cpu", "generate", False, (0, 0, 0.0)),
+        ({"long_prefill_token_threshold": 32}, "cpu", "generate", False, (32, 0, 0.0)),
+        ({"max_num_partial_prefills": 2}, "cpu", "generate", False, (327, 64, 1.0)),
+        ({"prefill_time_beside_decodes": 0.0}, "cpu", "generate", False, (0, 64, 0.0)),
+        ({"prefill_time_beside_decodes": 3.5}, "cpu", "generate", False, (0, 64, 3.5)),
+        (
+            {"long_prefill_token_threshold": 32, "prefill_time_beside_decodes": 3.5},
+            "cpu",
+            "generate",
+            False,
+            (32, 0, 3.5),
+        ),
+        ({}, "cpu", "generate", True, (0, 64, 0.0)),  # --async-scheduling: steps overlap
+        ({}, "cpu", "embed", False, (0, 0, 0.0)),
+        ({}, "cuda", "generate", True, (0, 0, 0.0)),
+        ({"max_num_partial_prefills": 2}, "cuda", "generate", True, (327, 0, 0.0)),  # vLLM's 4%
+        ({"long_prefill_token_threshold": 100}, "cuda", "generate", True, (100, 0, 0.0)),
     ],
 )
 def test_default_chunks(
-    values: dict[str, int], max_model_len: int, device: str, task: str, chunks: tuple[int, int]
+    values: dict[str, Any],
+    device: str,
+    task: str,
+    overlap: bool,
+    chunks: tuple[int, int, float],
 ) -> None:
-    """(threshold, cap beside decodes): the flag given replaces both defaults."""
+    """(threshold, cap beside decodes in tokens, and in time): a threshold given replaces
+    both caps, but the one in time where it is given too."""
     args = EngineArgs(**values)  # type: ignore[arg-type]
-    assert resolve_prefill_chunks(args, max_model_len, device, task) == chunks
+    assert resolve_prefill_chunks(args, 8192, device, task, overlap) == chunks
 
 
 def test_config_refuses_a_threshold_above_max_model_len() -> None:
@@ -279,8 +371,10 @@ def test_config_refuses_a_threshold_above_max_model_len() -> None:
 def test_the_startup_line_names_limits_set() -> None:
     assert SchedulerConfig().describe_prefill_limits() == ""
     beside = SchedulerConfig(prefill_chunk_beside_decodes=64)
-    assert beside.describe_prefill_limits() == (
-        ", prefill chunks of at most 64 tokens beside decodes"
+    assert beside.describe_prefill_limits() == ", at most 64 prompt tokens beside decodes"
+    timed = SchedulerConfig(prefill_chunk_beside_decodes=64, prefill_time_beside_decodes=2.0)
+    assert timed.describe_prefill_limits() == (
+        ", prompt tokens of 2x the decodes' time at most beside decodes (until timed, 64)"
     )
     limits = SchedulerConfig(
         long_prefill_token_threshold=64, max_num_partial_prefills=3, max_long_partial_prefills=2
