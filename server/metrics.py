@@ -74,6 +74,11 @@ class ServerMetrics:
         self.kv_usage = gauge(
             "vllm:kv_cache_usage_perc", "Fraction of KV cache blocks held by requests (0-1)."
         )
+        self.beside_decodes = gauge(
+            "pagedserve:prefill_tokens_beside_decodes",
+            "Most prompt tokens the next step may carry beside decodes "
+            "(--prefill-time-beside-decodes; 0: no cap but the step budget).",
+        )
         self.cache_config = Gauge(
             "vllm:cache_config_info",
             "KV cache configuration (value is always 1).",
@@ -160,6 +165,7 @@ class ServerMetrics:
                 self.ttft,
                 self.itl,
                 self.queue_time,
+                self.beside_decodes,
             )
         )
 
@@ -218,9 +224,10 @@ class ServerMetrics:
     def record(self, stats: SchedulerStats, iteration: IterationStats) -> None:
         """The engine's stats listener: runs on the event loop after every step."""
         running, waiting, kv_usage, queries, hits, preemptions, *rest = self._step_series
-        iteration_tokens, generation_tokens, ttft, itl, queue_time = rest
+        iteration_tokens, generation_tokens, ttft, itl, queue_time, beside_decodes = rest
         if self.engine_stats:
             running.set(stats.num_running)
+            beside_decodes.set(stats.prefill_tokens_beside_decodes)
             waiting.set(stats.num_waiting)
             kv_usage.set(stats.kv_cache_usage)
             if stats.prefix_cache_queries:

@@ -119,6 +119,9 @@ class SchedulerStats:
     # vllm:lora_requests_info reports them.
     running_loras: tuple[str, ...] = ()
     waiting_loras: tuple[str, ...] = ()
+    # The most prompt tokens the next step may carry if it decodes (0: no cap but the
+    # budget): --prefill-time-beside-decodes' worth by the steps' times, once known.
+    prefill_tokens_beside_decodes: int = 0
 
 
 @dataclass(frozen=True)

@@ -490,6 +490,7 @@ class Scheduler:
             spec_accepted_per_pos=tuple(self._spec_accepted_per_pos),
             running_loras=_lora_names(self.running) if self.config.max_loras else (),
             waiting_loras=_lora_names(self.waiting) if self.config.max_loras else (),
+            prefill_tokens_beside_decodes=self.prefill_tokens_beside_decodes(),
         )
         self._spec_counts = [0, 0, 0]
         self._spec_accepted_per_pos = []

@@ -36,6 +36,7 @@ EXPOSED_GAUGES = frozenset(
         "vllm:kv_cache_usage_perc",
         "vllm:cache_config_info",
         "vllm:lora_requests_info",
+        "pagedserve:prefill_tokens_beside_decodes",
     }
 )
 EXPOSED_COUNTERS = frozenset(

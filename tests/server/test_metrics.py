@@ -127,6 +127,13 @@ def test_every_metric_is_exposed_with_help_and_model_name(traffic) -> None:
     assert total(text, "vllm:request_success_total", finished_reason="abort") == 0
 
 
+def test_the_cap_beside_decodes_is_exported(traffic) -> None:
+    """At rest, with no decodes to time a step by, the engine's cap beside decodes is the
+    one in tokens (config.DEFAULT_PREFILL_CHUNK_BESIDE_DECODES on CPU)."""
+    text, _, model, _ = traffic
+    assert total(text, "pagedserve:prefill_tokens_beside_decodes", model_name=model) == 64
+
+
 def test_token_counters_equal_reported_usage(traffic) -> None:
     text, usage, _, _ = traffic
     assert total(text, "vllm:prompt_tokens_total") == usage["prompt"]
