@@ -126,6 +126,11 @@ class Scheduler:
         tokens = None if decode_ms is None else self.step_cost.tokens_within(ratio * decode_ms)
         return fallback if tokens is None else tokens
 
+    @property
+    def last_step_mix(self) -> tuple[int, int]:
+        """The last scheduled step's decoding requests and prompt tokens."""
+        return self._last_mix
+
     def observe_step_time(self, seconds: float) -> None:
         """The time the last scheduled step took to run (the model runner's execute),
         which teaches --prefill-time-beside-decodes what decodes and prompt tokens cost."""

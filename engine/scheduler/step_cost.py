@@ -24,9 +24,9 @@ MIN_STEPS = 3
 # The fewest prompt tokens beside decodes that tokens_within returns. A step of one or two
 # decodes is short, and a cap of a few tokens beside it keeps a burst of new prompts waiting
 # behind those streams; so would a large model, whose prompt token can cost more than its
-# whole allowance. In a simulation of 16 streams of 200-token prompts arriving at once
-# (docs/benchmarks.md), 8 cost 6% of output tok/s against 32, and 64 took the ITL p99 from
-# 135 to 208 ms.
+# whole allowance. In benchmarks/closed_loop.py (16 streams of 200-token prompts, a 2-core
+# Zen 3; docs/benchmarks.md), 8 cost 6% of output tok/s against 32, and 64 took the ITL p99
+# from 135 to 208 ms.
 MIN_TOKENS = 32
 _RIDGE = 1e-3
 
