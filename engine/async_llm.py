@@ -24,6 +24,7 @@ import logging
 import os
 import pickle
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -37,6 +38,7 @@ from engine.core_client import CoreProcess
 from engine.core_proc import (
     ABORT,
     ADD,
+    ADDS_SEEN,
     ENCODER,
     FAILED,
     FATAL,
@@ -156,6 +158,12 @@ class AsyncLLM:
         # scheduler's waiting queue as of the last step. Read by admission control.
         self._inbox_load = [0, 0]
         self._waiting_load = [0, 0]
+        # With the core in a process of its own: ADD frames sent so far, and those a step has
+        # not shown the core to have applied yet, as (frame number, choices, tokens): a step
+        # computed before an add reached the core does not count it as waiting, so they are
+        # counted on top of its figures.
+        self._adds_sent = 0
+        self._unseen_adds: deque[tuple[int, int, int]] = deque()
         # Monotonic time of the last finished step, or of the moment work arrived while
         # idle: readiness compares it with now to detect a stalled loop.
         self.last_progress = time.monotonic()
@@ -524,7 +532,7 @@ class AsyncLLM:
                 if kind == STEP:
                     result = STEP_DECODER.decode(frames[1])
                     self.last_progress = time.monotonic()
-                    self._waiting_load = [result.stats.num_waiting, result.stats.num_waiting_tokens]
+                    self._count_waiting(result.stats, ADDS_SEEN.unpack(frames[2])[0])
                     self._handle(result)
                     if self._stop_aborts:
                         self._remote.send(ABORT, ENCODER.encode(self._stop_aborts))
@@ -581,7 +589,7 @@ class AsyncLLM:
                     adds += self._admit(message)
                     continue
                 if adds:  # in order: what came before this message reaches the core first
-                    self._remote.send(ADD, ENCODER.encode(adds))
+                    self._send_adds(adds)
                     adds = []
                 if isinstance(message, _Abort):
                     aborts += self._abort_choices(message.request_id)
@@ -591,9 +599,27 @@ class AsyncLLM:
                     aborts = []
                 self._call_core(message)
             if adds:
-                self._remote.send(ADD, ENCODER.encode(adds))
+                self._send_adds(adds)
             if aborts:
                 self._remote.send(ABORT, ENCODER.encode(aborts))
+
+    def _send_adds(self, adds: list[CoreRequest]) -> None:
+        assert self._remote is not None
+        self._remote.send(ADD, ENCODER.encode(adds))
+        self._adds_sent += 1
+        tokens = sum(len(add.prompt_token_ids) for add in adds)
+        self._unseen_adds.append((self._adds_sent, len(adds), tokens))
+
+    def _count_waiting(self, stats: SchedulerStats, adds_seen: int) -> None:
+        """The waiting load as of a step of the core in its own process: its waiting queue,
+        and the adds sent after the last one it had applied."""
+        unseen = self._unseen_adds
+        while unseen and unseen[0][0] <= adds_seen:
+            unseen.popleft()
+        self._waiting_load = [
+            stats.num_waiting + sum(choices for _, choices, _ in unseen),
+            stats.num_waiting_tokens + sum(tokens for _, _, tokens in unseen),
+        ]
 
     def _admit(self, message: _Add) -> list[CoreRequest]:
         """The engine requests of a caller's request that is still there, tracked by the

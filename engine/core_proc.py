@@ -11,7 +11,8 @@ refusals and call replies to the frontend that sent it):
 
     frontend PUSH -> core PULL   [ADD, msgpack list[CoreRequest]]  [ABORT, msgpack list[str]]
                                  [CALL, msgpack (call id, method), pickled args]  [QUIT]
-    core PUSH -> frontend PULL   [STEP, msgpack StepResult]  [REJECT, msgpack id, pickled error]
+    core PUSH -> frontend PULL   [STEP, msgpack StepResult, adds seen]
+                                 [REJECT, msgpack id, pickled error]
                                  [REPLY, msgpack (call id, ok), pickled result or message]
                                  [VIEW, pickled (CoreState, seconds it took)]
                                  [FATAL, msgpack message]  [FAILED, msgpack message]
@@ -43,6 +44,7 @@ import os
 import pickle
 import shutil
 import signal
+import struct
 import sys
 import threading
 import time
@@ -119,6 +121,8 @@ ENCODER = msgspec.msgpack.Encoder()
 ADD_DECODER = msgspec.msgpack.Decoder(list[CoreRequest])
 ABORT_DECODER = msgspec.msgpack.Decoder(list[str])
 STEP_DECODER = msgspec.msgpack.Decoder(StepResult)
+# A STEP's third frame: the ADD frames from its frontend that the core had applied.
+ADDS_SEEN = struct.Struct("<Q")
 
 
 @dataclass(frozen=True)
@@ -173,6 +177,9 @@ class EngineCoreProc:
         self._idle_stats_due = False  # an abort may have left the core idle: say so once
         self._fatal_sent = False
         self._quitted: set[int] = set()
+        # ADD frames applied from each frontend, sent with each STEP (ADDS_SEEN): a step's
+        # waiting queue holds these adds and none after, which the frontend counts itself.
+        self._adds_seen = [0] * len(outputs)
         # The live view: (min_interval, max_share) of each frontend that has watchers.
         self._watch: dict[int, tuple[float, float]] = {}
         self._view_due = 0.0  # monotonic time the next view is due
@@ -263,6 +270,7 @@ class EngineCoreProc:
 
     def _apply(self, client: int, kind: bytes, body: list[Any]) -> None:
         if kind == ADD:
+            self._adds_seen[client] += 1
             for wire in ADD_DECODER.decode(body[0]):
                 try:
                     self.core.add_request(wire.to_request())
@@ -340,7 +348,10 @@ class EngineCoreProc:
         self.outputs[client].send_multipart([REPLY, ENCODER.encode((call_id, ok)), payload])
 
     def _send(self, client: int, kind: bytes, payload: bytes) -> None:
-        self.outputs[client].send_multipart([kind, payload], copy=False)
+        frames = [kind, payload]
+        if kind == STEP:
+            frames.append(ADDS_SEEN.pack(self._adds_seen[client]))
+        self.outputs[client].send_multipart(frames, copy=False)
 
 
 def main() -> int:
