@@ -25,8 +25,8 @@ MIN_STEPS = 3
 # decodes is short, and a cap of a few tokens beside it keeps a burst of new prompts waiting
 # behind those streams; so would a large model, whose prompt token can cost more than its
 # whole allowance. In benchmarks/closed_loop.py (16 streams of 200-token prompts, a 2-core
-# Zen 3; docs/benchmarks.md), 8 cost 6% of output tok/s against 32, and 64 took the ITL p99
-# from 135 to 208 ms.
+# Zen 3; docs/benchmarks.md), 8 took the TTFT p50 to 1.6-4.9 s against 1.4-1.6 at 32, and
+# 64 the decodes' p99 wait to 198-208 ms against 135-178.
 MIN_TOKENS = 32
 _RIDGE = 1e-3
 
