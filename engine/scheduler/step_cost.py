@@ -4,7 +4,7 @@
 A step's time is about a fixed part, a part per decoding request and a part per prompt
 token: t = a + b * decodes + c * prompt_tokens. The streams decoding beside a prefill wait
 for the whole step, so the prompt tokens' part is what they wait beyond a step of decodes
-alone. On the CPU a prompt token costs 0.3 ms on one machine and 1.3 ms on another with the
+alone. On the CPU a prompt token costs 0.3 ms on one machine and 1.3-2 ms on another with the
 same two cores (docs/benchmarks.md), and a step of 16 decodes 15 ms or 50, so a cap in
 tokens cannot hold that wait in proportion on both, while one in time can.
 
