@@ -37,16 +37,15 @@ class PrefillSlots:
     """One step's partial-prefill slots. `chunk` decides a prefill's tokens; `take` books them,
     and `decode` a decode, which the scheduler books first. A new instance per step."""
 
-    def __init__(self, config: SchedulerConfig, beside: int | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, beside: int) -> None:
         self.threshold = config.long_prefill_token_threshold
         self.max_partial = config.max_num_partial_prefills
         self.max_long = config.max_long_partial_prefills
         self.num_partial = 0
         self.num_long = 0
-        # Prompt tokens still allowed in this step if it decodes (None: no cap).
-        if beside is None:
-            beside = config.prefill_chunk_beside_decodes
-        self.beside_left = beside or None
+        # Prompt tokens still allowed in this step if it decodes (None: no cap); `beside`
+        # is the scheduler's cap for the step (Scheduler.prefill_tokens_beside_decodes).
+        self.beside_left: int | None = beside or None
         self.num_decodes = 0
         self.num_prompt_tokens = 0
 
