@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,9 @@ from engine import (
     SamplingParams,
     start_core,
 )
+from engine.core_proc import ADD, CoreRequest
 from engine.sampling_params import RequestOutputKind
+from engine.scheduler.output import SchedulerStats
 from tests.tiny_models import make_tiny_model
 
 ARGS = dict(dtype="float32", num_kv_blocks=64, max_model_len=256)
@@ -216,3 +219,28 @@ def test_a_frontend_that_cannot_send_fails_loudly(model_dir: Path) -> None:
             await engine.stop()
 
     asyncio.run(run())
+
+
+def test_adds_a_step_has_not_seen_count_as_queued() -> None:
+    """A step computed before an ADD frame reached the core does not hold its requests in
+    its waiting queue: the frontend counts the frames after the step's ADDS_SEEN on top."""
+    sent: list[bytes] = []
+
+    class Remote:
+        def send(self, kind: bytes, payload: bytes) -> None:
+            sent.append(kind)
+
+    engine = AsyncLLM.__new__(AsyncLLM)  # only the counting state: no core behind it
+    engine._remote, engine._adds_sent, engine._unseen_adds = Remote(), 0, deque()
+    engine._waiting_load = [0, 0]
+
+    def add(name: str, tokens: int) -> CoreRequest:
+        return CoreRequest(name, [5] * tokens, SamplingParams(), (0,), None, 0.0)
+
+    engine._send_adds([add("a-0", 4), add("a-1", 4)])  # one request, n=2
+    engine._send_adds([add("b", 10)])
+    assert sent == [ADD, ADD]
+    stats = SchedulerStats(num_running=1, num_waiting=3, kv_cache_usage=0.0, num_waiting_tokens=30)
+    for seen, (queued, tokens) in enumerate([(6, 48), (4, 40), (3, 30), (3, 30)]):
+        engine._count_waiting(stats, seen)
+        assert engine._waiting_load == [queued, tokens], seen
