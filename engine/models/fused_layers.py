@@ -22,7 +22,7 @@ import torch
 from engine.config import DENSE_COPY_ROWS
 from engine.models.layers import MLP, Linear
 from engine.models.lora_layers import LoRAStep
-from engine.models.quantized import MAX_KERNEL_ROWS
+from engine.models.quantized import MAX_KERNEL_ROWS, TiledWeight
 from engine.ops.loader import native_kernels
 
 _DENSE, _PACKED, _QUANTIZED, _TILED = 0, 1, 2, 3
@@ -110,16 +110,34 @@ def sparse_moe(x: torch.Tensor, weights: Any) -> torch.Tensor:
 
 
 class FusedLayers:
-    """A model's layers (LayerWeights, in order) as one DecoderStack."""
+    """A model's layers (LayerWeights, in order) as one DecoderStack; with `set_ends`, the
+    whole model (run_fused_model)."""
 
     def __init__(self, weights: list[Any]) -> None:
         self.stack = torch.classes.pagedserve.DecoderStack()
         for layer in weights:
             self.stack.append(layer)
         self.num_layers = len(weights)
+        self.has_ends = False
 
     def __len__(self) -> int:
         return self.num_layers
+
+    def set_ends(
+        self, embed: torch.Tensor | TiledWeight, norm_weight: torch.Tensor, eps: float
+    ) -> None:
+        """The model's token embedding (its float table, or its quantized one) and its
+        final RMSNorm, which run_fused_model runs before and after the layers."""
+        make = torch.classes.pagedserve.LinearWeights
+        if isinstance(embed, TiledWeight):
+            table = make(
+                _QUANTIZED, embed.qweight, None, embed.scales, embed.mins, embed.bits,
+                embed.group_size, embed.n, MAX_KERNEL_ROWS,
+            )  # fmt: skip
+        else:
+            table = make(_DENSE, embed.detach(), None, None, None, 0, 0, 0, 0)
+        self.stack.set_ends(table, norm_weight.detach(), eps)
+        self.has_ends = True
 
 
 def fused_layers_available(weight: torch.Tensor) -> bool:
@@ -144,6 +162,24 @@ def run_fused_layers(
     )
 
 
+def run_fused_model(
+    layers: FusedLayers,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    attn: Any,
+    lora: LoRAStep | None = None,
+) -> torch.Tensor:
+    """llama.DecoderModel.forward as one native op, on a stack with its ends: the final
+    hidden states. cos_table and sin_table (positions, head_dim): RotaryEmbedding's, holding
+    every one of `positions`."""
+    args = (input_ids, positions, layers.stack, cos_table, sin_table, *attn.stack_args())
+    if lora is None or not lora.active:
+        return _decoder_model_op()(*args)
+    return _decoder_model_op()(*args, lora.starts, lora.slots)
+
+
 @functools.cache
 def _decoder_layers_op() -> Any:
     """pagedserve::decoder_layers' C++ entry point. Calling an op packet whose schema takes
@@ -151,6 +187,13 @@ def _decoder_layers_op() -> Any:
     call here); the packet's own callable (`_op`, what it calls after that scan) does not.
     Where a torch lacks it, the packet."""
     packet = torch.ops.pagedserve.decoder_layers
+    return getattr(packet, "_op", packet)
+
+
+@functools.cache
+def _decoder_model_op() -> Any:
+    """pagedserve::decoder_model's C++ entry point (see _decoder_layers_op)."""
+    packet = torch.ops.pagedserve.decoder_model
     return getattr(packet, "_op", packet)
 
 

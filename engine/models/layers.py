@@ -284,6 +284,11 @@ class RotaryEmbedding(nn.Module):
             return cos[positions][:, None, :], sin[positions][:, None, :]
         return self.compute(positions, dtype)
 
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """The CPU tables forward looks `positions` (on the CPU, not empty) up in: cos and
+        sin, (at least max(positions) + 1, head_dim) each."""
+        return self._table(int(positions.numpy().max()) + 1, dtype)
+
     def compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """forward's result computed from the positions (on a GPU, inside CUDA graphs)."""
         freqs = positions[:, None].float() * self.inv_freq.float()  # (T, rotary_dim / 2)

@@ -21,6 +21,7 @@ from engine.models.fused_layers import (
     fused_layers_available,
     layer_weights,
     run_fused_layers,
+    run_fused_model,
 )
 from engine.models.head_screen import SCREEN_ROWS, HeadScreen, build_head_screen
 from engine.models.layers import (
@@ -225,6 +226,11 @@ class DecoderModel(nn.Module):
                 self.fused_dense_layers = FusedLayers(
                     [layer_weights(layer, True) for layer in self.layers]
                 )
+            if type(self).embed is DecoderModel.embed:  # the embedding is ours too
+                embed = self.embed_tokens if self.quantized_embed is None else self.quantized_embed
+                for fused in (self.fused_layers, self.fused_dense_layers):
+                    if fused is not None:
+                        fused.set_ends(embed, self.norm.weight, self.norm.eps)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(num_tokens,) -> (num_tokens, hidden_size) in the model's dtype."""
@@ -236,14 +242,19 @@ class DecoderModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         """input_ids, positions: (num_tokens,). Returns (num_tokens, hidden_size)."""
+        fused = self.fused_layers
+        if self.fused_dense_layers is not None and len(input_ids) > DENSE_COPY_ROWS:
+            fused = self.fused_dense_layers
+        native = fused if fused and hasattr(attn, "stack_args") else None
+        if native is not None and native.has_ends and len(positions):
+            # The whole forward in one native call: the same ops as below.
+            cos, sin = self.rotary.tables(positions, self.norm.weight.dtype)
+            return run_fused_model(native, input_ids, positions, cos, sin, attn, self.lora_step)
         x = self.embed(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         residual = None
-        fused = self.fused_layers
-        if self.fused_dense_layers is not None and x.shape[0] > DENSE_COPY_ROWS:
-            fused = self.fused_dense_layers
-        if fused and hasattr(attn, "stack_args"):
-            x, residual = run_fused_layers(fused, x, cos, sin, attn, self.lora_step)
+        if native is not None:
+            x, residual = run_fused_layers(native, x, cos, sin, attn, self.lora_step)
         else:
             for layer in self.layers:
                 x, residual = layer(x, residual, cos, sin, attn)

@@ -103,11 +103,27 @@ struct LayerWeights : torch::CustomClassHolder {
   }
 };
 
-// A model's layers in order, for decoder_layers: built once at load time.
+// A model's layers in order, for decoder_layers: built once at load time. With its ends
+// (set_ends), the whole model for decoder_model: the token embedding before the layers
+// (a dense table, or a quantized one that is dequantized row by row) and the final
+// RMSNorm after them.
 struct DecoderStack : torch::CustomClassHolder {
   std::vector<c10::intrusive_ptr<LayerWeights>> layers;
+  c10::intrusive_ptr<LinearWeights> embed;  // kDense (V, H) or kQuantized; unset: no ends
+  at::Tensor final_norm;
+  double final_eps = 0.0;
 
   void append(c10::intrusive_ptr<LayerWeights> layer) { layers.push_back(std::move(layer)); }
+
+  void set_ends(c10::intrusive_ptr<LinearWeights> embedding, at::Tensor norm, double eps) {
+    TORCH_CHECK(embedding->kind == kDense || embedding->kind == kQuantized,
+                "a stack's embedding is a dense or a quantized table");
+    embed = std::move(embedding);
+    final_norm = std::move(norm);
+    final_eps = eps;
+  }
+
+  bool has_ends() const { return static_cast<bool>(embed); }
 };
 
 // Our own ops, called through the dispatcher (their implementations live in other files).
@@ -397,6 +413,65 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
   return {hidden, *residual};
 }
 
+// The rows of a 2-D table at `index`, as index_select (and so F.embedding, and the rotary
+// tables' lookup) gives them, as one copy a row: at one token a step, index_select's own
+// setup is most of its cost, and that setup's code and data are out of the caches by the
+// time a step gets to it.
+at::Tensor gather_rows(const at::Tensor& table, const at::Tensor& index) {
+  if (table.dim() != 2 || !table.is_contiguous() || index.dim() != 1 ||
+      !index.is_contiguous() || index.scalar_type() != at::kLong) {
+    return table.index_select(0, index);
+  }
+  const int64_t T = index.size(0), rows = table.size(0);
+  at::Tensor out = at::empty({T, table.size(1)}, table.options());
+  const size_t bytes = table.size(1) * table.element_size();
+  const int64_t* idx = index.data_ptr<int64_t>();
+  const char* src = static_cast<const char*>(table.data_ptr());
+  char* dst = static_cast<char*>(out.data_ptr());
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(idx[t] >= 0 && idx[t] < rows, "index ", idx[t], " is outside the table's ",
+                rows, " rows");
+    std::memcpy(dst + t * bytes, src + idx[t] * bytes, bytes);
+  }
+  return out;
+}
+
+// DecoderModel.forward on a stack with its ends, in one call: the embedding of input_ids,
+// the rotary rows of `positions` (from RotaryEmbedding's tables, which must hold them),
+// every layer, the final add and RMSNorm: the same ops on the same tensors as the Python
+// around decoder_layers, whose few small calls a step, each a dispatch from Python, cost
+// about 0.4 ms of a single-stream decode step once the weights have gone through the
+// caches (benchmarks/cold_host_ops.py).
+at::Tensor decoder_model(const at::Tensor& input_ids, const at::Tensor& positions,
+                         const c10::intrusive_ptr<DecoderStack>& stack,
+                         const at::Tensor& cos_table, const at::Tensor& sin_table,
+                         const std::vector<at::Tensor>& k_caches,
+                         const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping,
+                         const at::Tensor& qo_indptr, const at::Tensor& kv_indptr,
+                         const at::Tensor& kv_indices, const at::Tensor& kv_last_page_len,
+                         double scale, at::IntArrayRef lora_bounds,
+                         at::IntArrayRef lora_slots) {
+  TORCH_CHECK(stack->has_ends(), "decoder_model: the stack has no embedding and final norm");
+  TORCH_CHECK(input_ids.dim() == 1 && positions.dim() == 1 &&
+                  input_ids.size(0) == positions.size(0),
+              "decoder_model: one position per input id");
+  const LinearWeights& e = *stack->embed;
+  const at::Tensor x =
+      e.kind == kDense
+          ? gather_rows(e.weight, input_ids)
+          : quant_dequantize_op().call(e.weight, *e.scales, e.mins, e.bits, e.group_size, e.n,
+                                       input_ids, stack->final_norm.scalar_type());
+  const at::Tensor cos = gather_rows(cos_table, positions).unsqueeze(1);
+  const at::Tensor sin = gather_rows(sin_table, positions).unsqueeze(1);
+  auto [hidden, residual] =
+      decoder_layers(x.contiguous(), stack, cos, sin, k_caches, v_caches, slot_mapping,
+                     qo_indptr, kv_indptr, kv_indices, kv_last_page_len, scale, lora_bounds,
+                     lora_slots);
+  fused_add_rms_norm_op().call(hidden, residual, stack->final_norm, stack->final_eps,
+                               std::nullopt);
+  return hidden;
+}
+
 }  // namespace
 }  // namespace pagedserve
 
@@ -419,12 +494,20 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
                        int64_t, int64_t, int64_t, int64_t>());
   m.class_<pagedserve::DecoderStack>("DecoderStack")
       .def(torch::init<>())
-      .def("append", &pagedserve::DecoderStack::append);
+      .def("append", &pagedserve::DecoderStack::append)
+      .def("set_ends", &pagedserve::DecoderStack::set_ends)
+      .def("has_ends", &pagedserve::DecoderStack::has_ends);
   m.def(
       "decoder_layers(Tensor x, __torch__.torch.classes.pagedserve.DecoderStack stack, "
       "Tensor cos, Tensor sin, Tensor[] k_caches, Tensor[] v_caches, Tensor slot_mapping, "
       "Tensor qo_indptr, Tensor kv_indptr, Tensor kv_indices, Tensor kv_last_page_len, "
       "float scale, int[] lora_bounds=[], int[] lora_slots=[]) -> (Tensor, Tensor)");
+  m.def(
+      "decoder_model(Tensor input_ids, Tensor positions, "
+      "__torch__.torch.classes.pagedserve.DecoderStack stack, Tensor cos_table, "
+      "Tensor sin_table, Tensor[] k_caches, Tensor[] v_caches, Tensor slot_mapping, "
+      "Tensor qo_indptr, Tensor kv_indptr, Tensor kv_indices, Tensor kv_last_page_len, "
+      "float scale, int[] lora_bounds=[], int[] lora_slots=[]) -> Tensor");
   m.def("kernel_time_ns(bool enable) -> (int, int)", &pagedserve::kernel_time_ns);
   // moe_ops.cpp implements it; defined here, after the class it takes.
   m.def(
@@ -434,4 +517,5 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("decoder_layers", &pagedserve::decoder_layers);
+  m.impl("decoder_model", &pagedserve::decoder_model);
 }

@@ -110,9 +110,46 @@ def test_native_layer_refuses_a_slot_outside_the_cache(tmp_path: Path) -> None:
         model(ids, md.positions, backend)
 
 
-def test_one_native_call_runs_every_layer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_native_call_runs_the_whole_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The embedding, the rotary rows, every layer and the final norm in one native call:
+    none of the Python modules' own ops runs."""
     model, _ = load_model(make_tiny_model("llama", tmp_path), torch.float32, "cpu", QuantConfig())
-    assert model.arch.num_layers > 1
+    assert model.arch.num_layers > 1 and model.fused_layers is not None
+    assert model.fused_layers.has_ends
+    op, calls = fused_layers._decoder_model_op(), []
+
+    def counted(*args: object) -> object:
+        calls.append(args)
+        return op(*args)
+
+    def not_called(*args: object) -> None:
+        raise AssertionError("ran in Python")
+
+    monkeypatch.setattr(fused_layers, "_decoder_model_op", lambda: counted)
+    monkeypatch.setattr(fused_layers, "_decoder_layers_op", not_called)
+    monkeypatch.setattr(model, "embed", not_called)
+    monkeypatch.setattr(model.rotary, "forward", not_called)
+    monkeypatch.setattr(model.norm, "add_forward", not_called)
+    forward(model, fused=True, seed=2)
+    assert len(calls) == 1
+
+
+def test_a_model_with_its_own_embedding_runs_only_its_layers_natively(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A subclass that embeds tokens its own way keeps its embedding (and so the ends) in
+    Python, and its layers still run as one native op, to the bit as the Python layers."""
+
+    class ScaledEmbedding(DecoderModel):
+        def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+            return super().embed(input_ids) * 2.0
+
+    monkeypatch.setattr("engine.models.loader._MODEL_CLASSES", {"llama": ScaledEmbedding})
+    model, _ = load_model(make_tiny_model("llama", tmp_path), torch.float32, "cpu", QuantConfig())
+    assert isinstance(model, ScaledEmbedding)
+    assert model.fused_layers is not None and not model.fused_layers.has_ends
     op, calls = fused_layers._decoder_layers_op(), []
 
     def counted(*args: object) -> object:
@@ -120,8 +157,27 @@ def test_one_native_call_runs_every_layer(tmp_path: Path, monkeypatch: pytest.Mo
         return op(*args)
 
     monkeypatch.setattr(fused_layers, "_decoder_layers_op", lambda: counted)
-    forward(model, fused=True, seed=2)
+    native_hidden, native_cache = forward(model, fused=True, seed=5)
     assert len(calls) == 1
+    python_hidden, python_cache = forward(model, fused=False, seed=5)
+    assert torch.equal(native_hidden, python_hidden)
+    assert torch.equal(native_cache, python_cache)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_native_model_with_the_gguf_embedding_equals_python(
+    default_model_dir: Path, dtype: torch.dtype
+) -> None:
+    """The default model's GGUF file as stored: its Q8_0 token table, dequantized row by
+    row inside the native op, and its Q4_1 layers."""
+    model, _ = load_model(default_model_dir, dtype, "cpu", QuantConfig("gguf"))
+    assert model.quantized_embed is not None
+    assert model.fused_layers is not None and model.fused_layers.has_ends
+    python_hidden, python_cache = forward(model, fused=False, seed=6)
+    native_hidden, native_cache = forward(model, fused=True, seed=6)
+    assert torch.equal(native_hidden, python_hidden)
+    assert torch.equal(native_cache, python_cache)
 
 
 def test_kernel_time_counts_only_while_asked(tmp_path: Path) -> None:
