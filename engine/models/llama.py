@@ -34,6 +34,7 @@ from engine.models.layers import (
 from engine.models.lora_layers import LoRAStep
 from engine.models.moe import SparseMoE, grouped_gemm_runs
 from engine.models.quantized import (
+    MAX_KERNEL_ROWS,
     QuantizedWeight,
     TiledWeight,
     dequantize,
@@ -270,12 +271,16 @@ class DecoderModel(nn.Module):
     def greedy_tokens(self, hidden: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
         """(n,) each row's argmax over compute_logits' first `vocab_size` columns, without
         the logits (n, vocab) and their float32 copy, where the head runs on the bfloat16
-        kernel; else None (compute_logits, then an argmax). The same tokens: the kernel
-        compares the bfloat16 logits that compute_logits would return."""
+        kernel or on the quantized one; else None (compute_logits, then an argmax). The
+        same tokens: the kernel compares the logits that compute_logits would return."""
         dense = self.dense_head
+        head = self.quantized_head
+        if head is not None and (dense is None or len(hidden) <= DENSE_COPY_ROWS):
+            # compute_logits' quantized kernel, or its dense path past MAX_KERNEL_ROWS rows.
+            if len(hidden) > MAX_KERNEL_ROWS:
+                return None
+            return native_ops.quant_linear_argmax(hidden, head.kernel_args(), vocab_size)
         if dense is None or dense.tiled is None or dense.bias is not None or dense.lora is not None:
-            return None
-        if self.quantized_head is not None and len(hidden) <= DENSE_COPY_ROWS:
             return None
         screen = self.head_screen
         if screen is not None and len(hidden) <= SCREEN_ROWS:

@@ -114,6 +114,17 @@ def quant_linear(
     return torch.ops.pagedserve.quant_linear(x, *weight, out_dtype=out_dtype)
 
 
+def quant_linear_argmax(x: torch.Tensor, weight: QuantArgs, n_valid: int) -> torch.Tensor | None:
+    """Each row's argmax over the first `n_valid` columns of quant_linear(x, weight) as
+    float32 logits, the first on ties, without the (M, n) result; None where the native
+    kernel cannot run."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if not native_kernels().available:
+        return None
+    return torch.ops.pagedserve.quant_linear_argmax(x, *weight, n_valid)
+
+
 def bf16_linear(
     x: torch.Tensor, weight: torch.Tensor, n: int, out_dtype: torch.dtype | None = None
 ) -> torch.Tensor | None:
