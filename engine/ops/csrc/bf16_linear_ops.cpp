@@ -19,6 +19,7 @@
 
 #include "kernels.h"
 #include "parallel.h"
+#include "row_argmax.h"
 
 namespace pagedserve {
 namespace {
@@ -139,13 +140,10 @@ at::Tensor argmax_of(const at::Tensor& xc, const at::Tensor& weight, int64_t N, 
   // step of 1 to 4 rows, whose runs are longer: 1.6 ms for SmolLM2's 49152 x 576 head at
   // one row, where bf16_linear took 1.0.)
   TileClaims claims(0, valid_tiles, grain, tasks);
-  std::vector<int32_t> best_key(tasks * M, INT32_MIN);
-  std::vector<int64_t> best_index(tasks * M, -1);
+  RowArgmax best(tasks, M);
   parallel_for(0, tasks, 1, [&](int64_t first, int64_t last) {
     std::vector<c10::BFloat16> y(M * run * kTile);
     for (int64_t task = first; task < last; ++task) {
-      int32_t* keys = best_key.data() + task * M;
-      int64_t* index = best_index.data() + task * M;
       for (int64_t begin, end; claims.claim(begin, end);) {
         for (int64_t t0 = begin; t0 < end; t0 += run) {
           const int64_t count = std::min(run, end - t0);
@@ -157,30 +155,13 @@ at::Tensor argmax_of(const at::Tensor& xc, const at::Tensor& weight, int64_t N, 
           const int64_t cols = std::min(width, n_valid - n0);
           for (int64_t r = 0; r < M; ++r) {
             const uint16_t* row = reinterpret_cast<const uint16_t*>(y.data()) + r * width;
-            int32_t top = INT32_MIN;
-            for (int64_t c = 0; c < cols; ++c) top = std::max(top, order_key(row[c]));
-            // A thread's runs go up the columns: only a larger value wins.
-            if (top <= keys[r]) continue;
-            int64_t c = 0;
-            while (order_key(row[c]) != top) ++c;
-            keys[r] = top;
-            index[r] = n0 + c;
+            best.offer(task, r, n0, cols, [&](int64_t c) { return order_key(row[c]); });
           }
         }
       }
     }
   });
-  int64_t* op = out.data_ptr<int64_t>();
-  for (int64_t r = 0; r < M; ++r) {
-    int32_t key = INT32_MIN;
-    int64_t index = -1;
-    for (int64_t task = 0; task < tasks; ++task) {
-      const int32_t k = best_key[task * M + r];
-      const int64_t i = best_index[task * M + r];
-      if (i >= 0 && (k > key || (k == key && i < index))) key = k, index = i;
-    }
-    op[r] = index;
-  }
+  best.write(out.data_ptr<int64_t>());
   return out;
 }
 

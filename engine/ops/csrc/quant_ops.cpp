@@ -8,7 +8,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <climits>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -17,6 +16,7 @@
 
 #include "kernels.h"
 #include "parallel.h"
+#include "row_argmax.h"
 
 namespace pagedserve {
 namespace {
@@ -201,13 +201,10 @@ at::Tensor quant_linear_argmax(const at::Tensor& x, const at::Tensor& qweight,
   const int64_t tasks =
       std::clamp<int64_t>((valid_tiles + grain - 1) / grain, 1, at::get_num_threads());
   TileClaims claims(0, valid_tiles, grain, tasks);
-  std::vector<int32_t> best_key(tasks * M, INT32_MIN);
-  std::vector<int64_t> best_index(tasks * M, -1);
+  RowArgmax best(tasks, M);
   parallel_for(0, tasks, 1, [&](int64_t first, int64_t last) {
     std::vector<float> y(row_tile * run * kTile);
     for (int64_t task = first; task < last; ++task) {
-      int32_t* keys = best_key.data() + task * M;
-      int64_t* index = best_index.data() + task * M;
       for (int64_t begin, end; claims.claim(begin, end);) {
         for (int64_t t0 = begin; t0 < end; t0 += run) {
           const int64_t count = std::min(run, end - t0);
@@ -224,31 +221,14 @@ at::Tensor quant_linear_argmax(const at::Tensor& x, const at::Tensor& qweight,
             tiles(part, prepared.rows(r0, rows), QuantOut{y.data(), false, rounded}, 0, count);
             for (int64_t r = 0; r < rows; ++r) {
               const float* row = y.data() + r * width;
-              int32_t top = INT32_MIN;
-              for (int64_t c = 0; c < cols; ++c) top = std::max(top, order_key(row[c]));
-              // A thread's runs go up the columns: only a larger value wins.
-              if (top <= keys[r0 + r]) continue;
-              int64_t c = 0;
-              while (order_key(row[c]) != top) ++c;
-              keys[r0 + r] = top;
-              index[r0 + r] = n0 + c;
+              best.offer(task, r0 + r, n0, cols, [&](int64_t c) { return order_key(row[c]); });
             }
           }
         }
       }
     }
   });
-  int64_t* op = out.data_ptr<int64_t>();
-  for (int64_t r = 0; r < M; ++r) {
-    int32_t key = INT32_MIN;
-    int64_t index = -1;
-    for (int64_t task = 0; task < tasks; ++task) {
-      const int32_t k = best_key[task * M + r];
-      const int64_t i = best_index[task * M + r];
-      if (i >= 0 && (k > key || (k == key && i < index))) key = k, index = i;
-    }
-    op[r] = index;
-  }
+  best.write(out.data_ptr<int64_t>());
   return out;
 }
 
