@@ -43,16 +43,16 @@ def test_some_layers_are_sparse_and_run_natively(
     moe: ArchCase, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The greedy tests below run the sparse MLPs natively: every layer in the one-call
-    native stack (the cpu-native attention backend), the sparse MLPs through moe_ops.cpp.
-    (With other backends SparseMoE.forward calls that op alone: tests/engine/ops/
-    test_sparse_moe.py, and test_gguf_moe.py's logits.)"""
-    op, calls = fused_layers._decoder_layers_op(), []
+    native model op (the cpu-native attention backend), the sparse MLPs through
+    moe_ops.cpp. (With other backends SparseMoE.forward calls that op alone: tests/engine/
+    ops/test_sparse_moe.py, and test_gguf_moe.py's logits.)"""
+    op, calls = fused_layers._decoder_model_op(), []
 
     def counted(*args: object) -> object:
         calls.append(args)
         return op(*args)
 
-    monkeypatch.setattr(fused_layers, "_decoder_layers_op", lambda: counted)
+    monkeypatch.setattr(fused_layers, "_decoder_model_op", lambda: counted)
     llm = tiny_llm(moe.path)
     assert llm.core.config.device.attention_backend == "cpu-native"
     model = llm.core.runner.model
