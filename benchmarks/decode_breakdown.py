@@ -15,8 +15,9 @@ only decode steps count). Its kernels are timed two ways:
   timed around compute_logits and greedy_tokens, in the same runs as the step itself, so
   with the caches as a real step leaves them. Around them, the same runs time the native
   layers' op as a whole (its small ops between the kernels: norms, rotary, the K/V write,
-  SiLU, the activations' conversions, allocation, dispatch), the rest of the forward
-  (embedding, the final norm, the step's metadata), the rest of sampling, and what the
+  SiLU, the activations' conversions, allocation, dispatch; where the whole model runs as
+  one op, its embedding, rotary rows and final norm too), the rest of the forward (the
+  step's metadata; else the embedding and final norm too), the rest of sampling, and what the
   engine does outside the model runner (scheduling, output processing);
 - alone: each layer's four linears and its attention, called from Python with the step's own
   weights and page table, and the LM head, as one loop. This pays a Python dispatch per
@@ -42,6 +43,10 @@ import torch
 import engine.models.llama as llama
 from engine import LLM, SamplingParams
 
+# The native ops a step's layers run in: the layers alone, or the whole model with its ends
+# (token embedding, rotary rows, final norm).
+NATIVE_OPS = ("run_fused_layers", "run_fused_model")
+
 
 def best_ms(fn: Callable[[], Any], repeats: int) -> float:
     best = float("inf")
@@ -56,18 +61,24 @@ def capture_layer_args(llm: LLM, prompt: list[int]) -> list[tuple[Any, ...]]:
     """Each native decoder layer's attention arguments in one decode step: its K and V
     caches, the step's slot mapping and page table, the scale."""
     captured: list[list[tuple[Any, ...]]] = []
-    run = llama.run_fused_layers
+    originals = {name: getattr(llama, name) for name in NATIVE_OPS}
 
-    def spy(layers: Any, x: torch.Tensor, cos: Any, sin: Any, attn: Any, *rest: Any) -> Any:
-        k_caches, v_caches, *shared = attn.stack_args()
-        captured.append([(k, v, *shared) for k, v in zip(k_caches, v_caches, strict=True)])
-        return run(layers, x, cos, sin, attn, *rest)
+    def spy_on(run: Callable[..., Any]) -> Callable[..., Any]:
+        def spy(*args: Any) -> Any:
+            attn = next(a for a in args if hasattr(a, "stack_args"))
+            k_caches, v_caches, *shared = attn.stack_args()
+            captured.append([(k, v, *shared) for k, v in zip(k_caches, v_caches, strict=True)])
+            return run(*args)
 
-    llama.run_fused_layers = spy
+        return spy
+
+    for name, run in originals.items():
+        setattr(llama, name, spy_on(run))
     try:
         llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     finally:
-        llama.run_fused_layers = run
+        for name, run in originals.items():
+            setattr(llama, name, run)
     if not captured:
         raise SystemExit("the native decoder layers did not run: no native kernels here?")
     return captured[-1]
@@ -111,7 +122,7 @@ def kernels_loop(llm: LLM, layer_args: list[tuple[Any, ...]]) -> Callable[[], No
 # What each run times besides the wall clock, by the callable it wraps: (owner, attribute).
 TIMED = {
     "head": (("model", "compute_logits"), ("model", "greedy_tokens")),
-    "layers_op": (("llama", "run_fused_layers"),),
+    "layers_op": tuple(("llama", name) for name in NATIVE_OPS),
     "forward": (("runner", "forward"),),
     "execute": (("runner", "execute"),),
 }
