@@ -147,6 +147,45 @@ def test_bf16_rows_of_any_scale_keep_their_own_precision(fmt: str, isa: str) -> 
         assert error < TOLERANCE[torch.bfloat16], (r, error)
 
 
+def extreme_int4(n: int = 48, k: int = K) -> QuantizedWeight:
+    """4-bit weights whose integers are all 15, the largest, but for a random few: with rows
+    of x at int16's limits, each block's sums reach their largest."""
+    g = torch.Generator().manual_seed(11)
+    q = torch.full((n, k), 15, dtype=torch.uint8)
+    few = torch.rand(n, k, generator=g) < 0.1
+    q[few] = torch.randint(0, 16, (int(few.sum()),), generator=g, dtype=torch.uint8)
+    scales = (torch.rand(n, k // 32, generator=g) + 0.5).half()
+    mins = -(torch.rand(n, k // 32, generator=g) * 8).half()
+    return QuantizedWeight(pack_nibbles(q), scales, mins, 4, 32)
+
+
+@pytest.mark.parametrize("fmt", ["int4-g32", "int4-g64", "Q4_0", "Q4_1", "extreme"])
+@pytest.mark.parametrize("isa", ISAS)
+def test_bf16_rows_give_the_same_bits_alone_in_pairs_and_in_a_batch(fmt: str, isa: str) -> None:
+    """The AVX2 set's 4-bit integer path for one row (quant_avx2.h, tile_int4_one_row_avx2:
+    three sums of scaled pairs) gets the same integer per block as its path for more rows,
+    so a row's output has the same bits whatever its batch; and the sums stay within int32
+    at the extremes (every integer 15, every x at int16's limit)."""
+    weight = extreme_int4() if fmt == "extreme" else make_weight(fmt)
+    tiled = pack_tiles(weight)
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(8, K, generator=g)
+    # Every element of these two rows becomes +-32640 (int16's largest a bfloat16 reaches:
+    # a block's scale is a power of two, and 255/256 is bfloat16's largest below one).
+    x[6] = 255 / 256
+    x[7] = torch.where(torch.rand(K, generator=g) < 0.5, -1.0, 1.0) * 255 / 256 * 2.0**-30
+    x = x.bfloat16()
+    batch = kernel(isa, x, tiled)  # eight rows at once
+    for r in range(8):
+        assert torch.equal(kernel(isa, x[r : r + 1], tiled), batch[r : r + 1]), r
+    for r in range(0, 8, 2):
+        assert torch.equal(kernel(isa, x[r : r + 2], tiled), batch[r : r + 2]), r
+    reference = x.double() @ dequantize_reference(weight).double().T
+    for r in range(8):
+        error = float((batch[r] - reference[r]).abs().max() / reference[r].abs().max())
+        assert error < TOLERANCE[torch.bfloat16], (r, error)
+
+
 @pytest.mark.parametrize("fmt", ["int8", "Q4_1"])
 @pytest.mark.parametrize("isa", ISAS)
 def test_bf16_rows_keep_zeros_infinities_and_nan_to_themselves(fmt: str, isa: str) -> None:
