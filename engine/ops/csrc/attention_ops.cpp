@@ -20,7 +20,8 @@
 // compiled for the baseline CPU, checks the inputs, plans the items, runs them on torch's
 // thread pool and dispatches each to the chosen set (kernels.h).
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -2,7 +2,8 @@
 // tensor checks, the split of output tiles over torch's threads (parallel.h), and the
 // instruction set (kernels.h).
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

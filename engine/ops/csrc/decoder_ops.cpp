@@ -16,7 +16,11 @@
 // A layer's MLP is dense (gate_up, SiLU-and-mul, down) or a sparse mixture of experts,
 // which moe_ops.cpp runs as SparseMoE.forward does.
 
-#include <ATen/ATen.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/linear.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>

@@ -1,7 +1,7 @@
 // The fused elementwise ops' entry points (kernels in elementwise_kernels.cpp): tensor
 // checks, the split of rows over torch's threads, and the instruction set (kernels.h).
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -5,7 +5,7 @@
 // known before a class or op that takes it.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <torch/custom_class.h>
 
 #include <cstdint>

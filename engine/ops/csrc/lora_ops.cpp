@@ -1,7 +1,7 @@
 // The batched LoRA op's entry point (kernels in lora_kernels.cpp): tensor checks, the
 // step's segments as rows, and the split of rows over torch's threads.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

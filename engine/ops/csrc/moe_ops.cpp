@@ -18,7 +18,12 @@
 // next expert's (parallel.h's TileClaims), so the threads meet twice a layer, not twice an
 // expert, and a thread that the OS holds back delays only the tiles it holds.
 
-#include <ATen/ATen.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/topk.h>
+#include <ATen/ops/zeros_like.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -3,7 +3,9 @@
 // torch's threads, and the instruction set (kernels.h). Also the dequantization of (rows
 // of) a tiled weight, for embedding lookups and for steps too large for the kernel.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -9,7 +9,8 @@
 // caller claims tasks too and waits for the claimed ones to finish; a task nobody has
 // claimed yet (a worker still asleep or descheduled) it runs itself.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <pthread.h>
 #include <strings.h>
