@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import threading
 from collections import deque
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from engine import (
     SamplingParams,
     start_core,
 )
+from engine.config import load_tokenizer
 from engine.core_proc import ADD, CoreRequest
 from engine.sampling_params import RequestOutputKind
 from engine.scheduler.output import SchedulerStats
@@ -199,6 +201,92 @@ def test_two_frontends_share_a_core_and_one_that_quits_loses_its_requests(
         if start.proc.poll() is None:
             start.proc.kill()
         shutil.rmtree(start.directory, ignore_errors=True)
+
+
+def watch_the_load(monkeypatch: pytest.MonkeyPatch, fail_early: bool = False) -> list[str]:
+    """What happens, in order, as a frontend starts: its tokenizer read beside the core
+    ("tokenizer on <thread>"; `fail_early`: that read raises), and the core's report."""
+    import engine.async_llm as async_llm
+    import engine.core_client as core_client
+
+    events: list[str] = []
+    read, wait = async_llm.tokenizer_at, core_client.wait_loaded
+
+    def tokenizer_at(folder: Path, gguf_file: str | None) -> object:
+        events.append(f"tokenizer on {threading.current_thread().name}")
+        if fail_early:
+            raise OSError("unreadable, this once")
+        return read(folder, gguf_file)
+
+    def wait_loaded(channel: object) -> object:
+        result = wait(channel)  # type: ignore[arg-type]
+        events.append("core loaded")
+        return result
+
+    monkeypatch.setattr(async_llm, "tokenizer_at", tokenizer_at)
+    monkeypatch.setattr(core_client, "wait_loaded", wait_loaded)
+    return events
+
+
+def serve_and_stop(*engines: AsyncLLM) -> None:
+    """A request through each frontend, then each stops."""
+
+    async def run() -> None:
+        for engine in engines:
+            engine.start()
+        params = SamplingParams(max_tokens=2, ignore_eos=True)
+        for i, engine in enumerate(engines):
+            done = await final(engine.generate([5, 6, 7], params, f"through-{i}"))
+            assert len(done.outputs[0].token_ids) == 2
+        for engine in engines:
+            await engine.stop()
+
+    asyncio.run(run())
+
+
+def test_the_frontend_reads_its_tokenizer_while_the_core_loads(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From the path it was given, on a thread of its own, before the core's report (the
+    core takes seconds to import torch), for a frontend that starts its core and for the
+    several frontends of one core; the tokenizer is the model's."""
+    events = watch_the_load(monkeypatch)
+    engine = make_engine(model_dir, in_process=False)
+    try:
+        assert events == ["tokenizer on pagedserve-tokenizer", "core loaded"]
+        text = "the lazy dog"
+        assert engine.tokenizer.encode(text) == load_tokenizer(engine.config.model).encode(text)
+    finally:
+        serve_and_stop(engine)
+    events.clear()
+    args = EngineArgs(model=str(model_dir), **ARGS)  # type: ignore[arg-type]
+    start = start_core(args, None, None, num_frontends=2)
+    try:
+        frontends = [AsyncLLM.attach(c, start.proc.pid, args.model) for c in start.channels]
+        assert events[0] == "tokenizer on pagedserve-tokenizer" and "core loaded" in events
+        serve_and_stop(*frontends)
+        assert start.proc.wait(timeout=30) == 0
+    finally:
+        if start.proc.poll() is None:
+            start.proc.kill()
+        shutil.rmtree(start.directory, ignore_errors=True)
+
+
+def test_a_tokenizer_that_failed_beside_the_core_is_read_again_after_it(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    events = watch_the_load(monkeypatch, fail_early=True)
+    engine = make_engine(model_dir, in_process=False)
+    try:
+        assert events == ["tokenizer on pagedserve-tokenizer", "core loaded"]
+        assert engine.tokenizer.encode("the lazy dog")  # read again, on the loading thread
+    finally:
+        serve_and_stop(engine)
+
+
+def test_a_missing_model_fails_with_the_cores_error_not_the_tokenizers(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="pagedserve never downloads weights"):
+        make_engine(tmp_path / "nothing-here", in_process=False)
 
 
 def test_a_frontend_that_cannot_send_fails_loudly(model_dir: Path) -> None:
