@@ -3,7 +3,7 @@ waits for. Each round starts the server once per checkout given (alternating, so
 swings fall on both alike) and stops it.
 
     python benchmarks/startup.py --rounds 5 -- --dtype float32
-    python benchmarks/startup.py --checkouts . /tmp/before -- MODEL_DIR --engine-in-process
+    python benchmarks/startup.py --checkouts . ../before -- MODEL_DIR --engine-in-process
 
 Arguments after `--` go to `serve` (no model: the bundled one). Every checkout runs with this
 interpreter (its venv), with PYTHONPATH set to the checkout: a checkout other than this
