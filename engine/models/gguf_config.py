@@ -8,7 +8,8 @@ serve it leaves out what llama.cpp's converter wrote:
     Qwen3-MoE ("qwen3moe")             moe_intermediate_size 768    expert_feed_forward_length
                                        (Qwen3MoeConfig's default)
 
-No torch or numpy here: the engine's config layer reads this (gguf is imported when called).
+No torch or numpy here: the engine's config layer reads this (the GGUF reader, which uses
+numpy, is imported when called).
 """
 
 from __future__ import annotations
@@ -22,14 +23,13 @@ def with_gguf_experts(config: Any, path: Path) -> Any:
     any other config is returned as it is. Both families renormalise their top-k
     routing weights in llama.cpp (its qwen3moe and llama graphs always do), so the file is
     served that way whatever the original checkpoint said."""
-    import gguf
+    from engine.models.gguf_file import GGUFFile
 
-    reader = gguf.GGUFReader(path)
-    arch = str(reader.fields["general.architecture"].contents())
+    metadata = GGUFFile(path).metadata
+    arch = str(metadata["general.architecture"])
 
     def field(key: str) -> Any:
-        found = reader.fields.get(f"{arch}.{key}")
-        return None if found is None else found.contents()
+        return metadata.get(f"{arch}.{key}")
 
     num_experts = int(field("expert_count") or 0)
     if num_experts == 0:

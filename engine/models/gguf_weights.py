@@ -28,6 +28,7 @@ import torch
 from tqdm import tqdm
 
 from engine.models.arch import ModelArch
+from engine.models.gguf_file import GGUFFile
 from engine.models.quantized import GGUF_BLOCK_TYPES, QuantizedWeight, from_gguf
 
 logger = logging.getLogger(__name__)
@@ -101,8 +102,8 @@ def iter_gguf(
     """(Hugging Face name, float32 tensor or QuantizedWeight) for every tensor of the file."""
     import gguf
 
-    reader = gguf.GGUFReader(path)
-    llama_layout = str(reader.fields["general.architecture"].contents()) == "llama"
+    reader = GGUFFile(path)
+    llama_layout = reader.metadata.get("general.architecture") == "llama"
     dequantized: Counter[str] = Counter()
     for tensor in tqdm(reader.tensors, desc="Loading GGUF weights", unit="tensor", leave=False):
         type_name = tensor.tensor_type.name
@@ -112,7 +113,7 @@ def iter_gguf(
         elif llama_layout and ".attn_k." in tensor.name:
             heads = arch.num_kv_heads
         if keep_quantized and type_name in GGUF_BLOCK_TYPES:
-            shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # GGUF lists (K, N, ...)
+            shape = (tensor.shape[1], tensor.shape[0])  # GGUF lists (K, N, ...)
             for name, raw in split_experts(tensor.name, tensor.data):
                 weight = from_gguf(type_name, raw, shape)
                 if heads is not None:
