@@ -27,13 +27,23 @@ def test_a_view_keeps_the_mapping_alive() -> None:
 
 def anon_huge_kb(t: torch.Tensor) -> int:
     """AnonHugePages of the mapping holding t's first byte (/proc/self/smaps)."""
+    return mapping_field(t, "AnonHugePages:")
+
+
+def resident_kb(t: torch.Tensor) -> int:
+    """Rss of the mapping holding t's first byte."""
+    return mapping_field(t, "Rss:")
+
+
+def mapping_field(t: torch.Tensor, field: str) -> int:
+    """A field of /proc/self/smaps, in kB, for the mapping holding t's first byte."""
     address, inside = t.data_ptr(), False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
             start, end = (int(x, 16) for x in head.split("-"))
             inside = start <= address < end
-        elif inside and head == "AnonHugePages:":
+        elif inside and head == field:
             return int(line.split()[1])
     raise AssertionError("no mapping holds the tensor")
 
@@ -87,3 +97,26 @@ def test_gather_copies_each_tensor_side_by_side() -> None:
     starts = [c.data_ptr() for c in held]
     assert all(start >= end for start, end in zip(starts[1:], ends, strict=False))
     assert starts[-1] - base < 1 << 20
+
+
+def test_background_zeros_fault_in_behind_writes_that_come_first() -> None:
+    """What the engine writes while the thread faults the rest in stays written: the
+    population backs pages without writing them."""
+    nbytes = 5 * hugepages.POPULATE_CHUNK + 12345
+    t = hugepages.zeros(nbytes, background=True)
+    marks = torch.arange(0, nbytes, 4096 * 1021)  # one byte in many pages, first to last
+    t[marks] = 7
+    assert hugepages.wait_populated(timeout=120)
+    assert resident_kb(t) * 1024 >= nbytes  # every page is in
+    assert int(t.count_nonzero()) == marks.numel() and bool((t[marks] == 7).all())
+
+
+def test_without_the_kernels_populate_zeros_touch_everything_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(hugepages, "MADV_POPULATE_WRITE", 0x7FFF)  # an advice no kernel has
+    assert hugepages._populate(hugepages.zeros(4096).data_ptr(), 4096) != 0
+    nbytes = 2 * hugepages.POPULATE_CHUNK
+    t = hugepages.zeros(nbytes, background=True)
+    assert not hugepages._populating  # no thread: zeroed in the call
+    assert resident_kb(t) * 1024 >= nbytes and int(t.count_nonzero()) == 0
