@@ -6,11 +6,15 @@ processes), their supervisor starts the core with `start_core` and hands each fr
 CoreChannel, which `CoreProcess.attach` waits on. `connect` then binds the sockets on the
 running event loop. Sends never block: the sockets have no high-water mark, and ZMQ keeps
 the order of frames.
+
+`pagedserve serve` starts the core's interpreter before it reads its flags
+(`prestart_core`, from server/launch.py), and start_core hands that process its launch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import logging
 import os
@@ -61,27 +65,9 @@ class CoreStart:
 OMP_WAIT_POLICY = "PASSIVE"
 
 
-def start_core(
-    args: EngineArgs,
-    hooks: EngineHooks | None,
-    logging_config: dict[str, Any] | None,
-    num_frontends: int = 1,
-) -> CoreStart:
-    """Starts the core process for `num_frontends` frontends; returns at once."""
-    directory = tempfile.mkdtemp(prefix="pagedserve-core-")
-    pipes = [os.pipe() for _ in range(num_frontends)]
-    addresses = [
-        (f"ipc://{directory}/input-{i}", f"ipc://{directory}/output-{i}")
-        for i in range(num_frontends)
-    ]
-    launch = CoreLaunch(
-        args,
-        hooks or EngineHooks(),
-        [CoreChannel(*pair, write) for pair, (_, write) in zip(addresses, pipes, strict=True)],
-        logging_config,
-        os.getpid(),
-        directory,
-    )
+def core_env() -> dict[str, str]:
+    """The core process's environment: this one's, with the OpenMP wait policy and the
+    path to this process's `engine` package."""
     env = dict(os.environ)
     # OpenMP threads that wait at a step's barriers sleep rather than spin (unless the user
     # says otherwise). On a shared CPU a spinning thread burns its group's share while the
@@ -98,21 +84,122 @@ def start_core(
     # The same `engine` package as this process, wherever it was imported from.
     root = str(Path(engine.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    return env
+
+
+@dataclass
+class Prestarted:
+    """A core interpreter started before its frontend knew its settings (prestart_core):
+    importing torch, the models and transformers while the frontend imports its own. It
+    holds the write end of one load pipe (`ready_write`, its number in the child) and
+    waits for its CoreLaunch on stdin."""
+
+    proc: subprocess.Popen[bytes]
+    ready_read: int
+    ready_write: int
+    env: dict[str, str]
+
+    def discard(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        os.close(self.ready_read)
+
+
+_prestarted: Prestarted | None = None
+
+
+def prestart_core() -> None:
+    """Starts a core's interpreter now, for the next start_core of a lone frontend to
+    use: its imports (about 3.7 s of a 2-core VM) then overlap the frontend's own, which
+    `pagedserve serve` runs before it has read its flags. start_core takes it only for
+    one frontend and the same environment; discard_prestarted (also at this process's
+    exit) ends it otherwise. If this process dies first, the core reads an empty stdin and
+    exits."""
+    global _prestarted
+    discard_prestarted()
+    env = core_env()
+    read, write = os.pipe()
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-c", ENTRY_POINT],
-            stdin=subprocess.PIPE,
-            pass_fds=[write for _, write in pipes],
-            env=env,
+            [sys.executable, "-c", ENTRY_POINT], stdin=subprocess.PIPE, pass_fds=[write], env=env
         )
     except BaseException:
-        for read, _ in pipes:
-            os.close(read)
-        shutil.rmtree(directory, ignore_errors=True)
+        os.close(read)
         raise
     finally:
-        for _, write in pipes:
-            os.close(write)
+        os.close(write)
+    _prestarted = Prestarted(proc, read, write, env)
+    atexit.unregister(discard_prestarted)  # once, however many prestarts
+    atexit.register(discard_prestarted)
+
+
+def discard_prestarted() -> None:
+    """Ends the prestarted core, if one is waiting."""
+    global _prestarted
+    prestarted, _prestarted = _prestarted, None
+    if prestarted is not None:
+        prestarted.discard()
+
+
+def _take_prestarted(num_frontends: int, env: dict[str, str]) -> Prestarted | None:
+    global _prestarted
+    prestarted, _prestarted = _prestarted, None
+    if prestarted is None:
+        return None
+    if num_frontends == 1 and prestarted.env == env and prestarted.proc.poll() is None:
+        return prestarted
+    prestarted.discard()
+    return None
+
+
+def start_core(
+    args: EngineArgs,
+    hooks: EngineHooks | None,
+    logging_config: dict[str, Any] | None,
+    num_frontends: int = 1,
+) -> CoreStart:
+    """Starts the core process for `num_frontends` frontends (or hands its launch to the
+    prestarted one); returns at once."""
+    env = core_env()
+    prestarted = _take_prestarted(num_frontends, env)
+    directory = tempfile.mkdtemp(prefix="pagedserve-core-")
+    if prestarted is not None:
+        pipes = [(prestarted.ready_read, prestarted.ready_write)]
+    else:
+        pipes = [os.pipe() for _ in range(num_frontends)]
+    addresses = [
+        (f"ipc://{directory}/input-{i}", f"ipc://{directory}/output-{i}")
+        for i in range(num_frontends)
+    ]
+    launch = CoreLaunch(
+        args,
+        hooks or EngineHooks(),
+        [CoreChannel(*pair, write) for pair, (_, write) in zip(addresses, pipes, strict=True)],
+        logging_config,
+        os.getpid(),
+        directory,
+    )
+    if prestarted is not None:
+        proc = prestarted.proc
+        logger.info("engine core: process %d, started before the flags were read", proc.pid)
+    else:
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", ENTRY_POINT],
+                stdin=subprocess.PIPE,
+                pass_fds=[write for _, write in pipes],
+                env=env,
+            )
+        except BaseException:
+            for read, _ in pipes:
+                os.close(read)
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        finally:
+            for _, write in pipes:
+                os.close(write)
     assert proc.stdin is not None
     try:
         proc.stdin.write(pickle.dumps(launch))

@@ -358,7 +358,10 @@ def main() -> int:
     """The process's work (ENTRY_POINT runs it), with a pickled CoreLaunch on stdin."""
     from engine.core import EngineCore
 
-    launch: CoreLaunch = pickle.load(sys.stdin.buffer)
+    data = sys.stdin.buffer.read()
+    if not data:  # a prestarted core (core_client.prestart_core) its frontend did not use
+        return 0
+    launch: CoreLaunch = pickle.loads(data)
     parent = launch.parent
     # The frontend drains on SIGTERM/SIGINT first and then sends QUIT; a signal sent to the
     # whole process group must not end the core under requests still draining.

@@ -21,9 +21,11 @@ from engine import (
     RequestOutput,
     RequestValidationError,
     SamplingParams,
+    core_client,
     start_core,
 )
 from engine.config import load_tokenizer
+from engine.core_client import discard_prestarted, prestart_core
 from engine.core_proc import ADD, CoreRequest
 from engine.sampling_params import RequestOutputKind
 from engine.scheduler.output import SchedulerStats
@@ -332,3 +334,60 @@ def test_adds_a_step_has_not_seen_count_as_queued() -> None:
     for seen, (queued, tokens) in enumerate([(6, 48), (4, 40), (3, 30), (3, 30)]):
         engine._count_waiting(stats, seen)
         assert engine._waiting_load == [queued, tokens], seen
+
+
+def greedy_texts(engine: AsyncLLM) -> tuple[int, list[str]]:
+    """(the core's pid, greedy completions of three prompts)."""
+
+    async def run() -> tuple[int, list[str]]:
+        engine.start()
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+            jobs = [final(engine.generate([5 + i, 9, 30], params, f"g{i}")) for i in range(3)]
+            return engine.engine_pid, [o.outputs[0].text for o in await asyncio.gather(*jobs)]
+        finally:
+            await engine.stop()
+
+    return asyncio.run(run())
+
+
+def test_a_prestarted_core_serves_its_frontend_as_a_fresh_one(model_dir: Path) -> None:
+    """prestart_core's interpreter, started before the frontend knows its settings, is
+    the core the next lone frontend gets, with the same outputs as a core started then."""
+    prestart_core()
+    prestarted = core_client._prestarted
+    assert prestarted is not None
+    pid, texts = greedy_texts(make_engine(model_dir, in_process=False))
+    assert pid == prestarted.proc.pid and core_client._prestarted is None
+    assert prestarted.proc.wait(timeout=30) == 0  # stopped with its frontend
+    fresh_pid, fresh_texts = greedy_texts(make_engine(model_dir, in_process=False))
+    assert fresh_pid != pid and fresh_texts == texts
+
+
+def test_a_prestarted_core_that_does_not_fit_is_ended(model_dir: Path) -> None:
+    """Discarded, taken for several frontends, or for another environment: it exits and a
+    core is started as before."""
+    prestart_core()
+    first = core_client._prestarted
+    assert first is not None
+    discard_prestarted()
+    assert first.proc.poll() is not None and core_client._prestarted is None
+    for frontends, env_change in ((2, None), (1, "PAGEDSERVE_TEST_ENV_CHANGE")):
+        prestart_core()
+        prestarted = core_client._prestarted
+        assert prestarted is not None
+        if env_change is not None:
+            os.environ[env_change] = "1"
+        try:
+            start = start_core(EngineArgs(model=str(model_dir), **ARGS), None, None, frontends)  # type: ignore[arg-type]
+        finally:
+            os.environ.pop(env_change or "", None)
+        try:
+            assert prestarted.proc.poll() is not None  # ended, not used
+            assert start.proc.pid != prestarted.proc.pid and len(start.channels) == frontends
+        finally:
+            start.proc.kill()
+            start.proc.wait()
+            shutil.rmtree(start.directory, ignore_errors=True)
+            for channel in start.channels:
+                os.close(channel.ready_fd)
