@@ -27,7 +27,10 @@ from engine.worker.tensor_parallel import free_port
 
 def time_to_ready(checkout: Path, serve_args: list[str], timeout: float) -> float:
     port = free_port()
-    cmd = [sys.executable, "-m", "server.cli", "serve", *serve_args, "--port", str(port)]
+    # What the `pagedserve` command runs: server.launch where the checkout has it (it
+    # starts the core before reading the flags), server.cli before it.
+    entry = "server.launch" if (checkout / "server" / "launch.py").exists() else "server.cli"
+    cmd = [sys.executable, "-m", entry, "serve", *serve_args, "--port", str(port)]
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     start = time.monotonic()
     proc = subprocess.Popen(

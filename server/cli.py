@@ -167,6 +167,10 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> NoRetur
             "--api-server-count: several frontends share one engine core process; "
             "drop --engine-in-process"
         )
+    if engine_args.engine_in_process:  # a core started before the flags were read idles
+        from engine.core_client import discard_prestarted
+
+        discard_prestarted()
     try:
         check_cpu_kernels(engine_args)
         check_scheduling_options(engine_args)

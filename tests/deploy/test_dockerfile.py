@@ -191,7 +191,7 @@ def test_entrypoint_is_pagedserve_serve(target: str) -> None:
     assert entrypoint_argv(target) == ["pagedserve", "serve"]
     # The console script that pip installs under that name.
     pyproject = (ROOT / "pyproject.toml").read_text()
-    assert re.search(r'^pagedserve\s*=\s*"server\.cli:main"', pyproject, re.MULTILINE)
+    assert re.search(r'^pagedserve\s*=\s*"server\.launch:main"', pyproject, re.MULTILINE)
 
 
 @pytest.mark.parametrize("target", TARGETS)

@@ -183,7 +183,8 @@ class LiveServer:
 
 
 class ServerProcess:
-    """`python -m server.cli serve ...` as a subprocess, as a container would run it."""
+    """`pagedserve serve ...` (python -m server.launch, its entry point) as a subprocess,
+    as a container would run it."""
 
     def __init__(
         self,
@@ -198,7 +199,7 @@ class ServerProcess:
         self.cmd = [
             sys.executable,
             "-m",
-            "server.cli",
+            "server.launch",
             "serve",
             *args,
             "--host",
