@@ -43,7 +43,7 @@ from engine.structured_output.params import ReasoningBounds, StructuredOutputsPa
 
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM, StatsListener
-    from engine.core_client import CoreStart, start_core
+    from engine.core_client import CoreStart, discard_prestarted, prestart_core, start_core
     from engine.core_proc import CoreChannel
     from engine.llm import LLM
     from engine.worker.worker import check_cpu_kernels, describe_setup
@@ -89,8 +89,10 @@ __all__ = [
     "check_cpu_kernels",
     "check_scheduling_options",
     "describe_setup",
+    "discard_prestarted",
     "own_cgroup_cpu_dir",
     "prepare_default_model",
+    "prestart_core",
     "read_throttling",
     "scoped_cache_salt",
     "start_core",
@@ -106,7 +108,7 @@ def __getattr__(name: str) -> Any:
         from engine import async_llm
 
         return getattr(async_llm, name)
-    if name in ("CoreStart", "start_core"):
+    if name in ("CoreStart", "start_core", "prestart_core", "discard_prestarted"):
         from engine import core_client
 
         return getattr(core_client, name)

@@ -168,7 +168,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> NoRetur
             "drop --engine-in-process"
         )
     if engine_args.engine_in_process:  # a core started before the flags were read idles
-        from engine.core_client import discard_prestarted
+        from engine import discard_prestarted
 
         discard_prestarted()
     try:

@@ -36,7 +36,7 @@ def prestart_worthwhile(argv: list[str], environ: dict[str, str] | os._Environ[s
 def main() -> int:
     argv = sys.argv[1:]
     if prestart_worthwhile(argv, os.environ):
-        from engine.core_client import prestart_core
+        from engine import prestart_core
 
         prestart_core()
     from server.cli import main as cli_main

@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from engine import AsyncLLM, EngineArgs
+from server import response_store
 from server.response_store import RedisStore, SqliteStore, StoredResponse
 from tests.server.live import LiveServer
 from tests.tiny_models import make_tiny_model
@@ -328,16 +329,24 @@ def test_a_conversation_spans_a_restart(model_dir: Path, tmp_path: Path) -> None
         second_turn(after, first)
 
 
-def test_the_sqlite_store_expires_and_keeps_tenants_apart(tmp_path: Path) -> None:
+def test_the_sqlite_store_expires_and_keeps_tenants_apart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the store's own clock (set here: a sleep of 0.6 s against a 0.5 s TTL failed on
+    a loaded CI machine, where the reopening alone took longer than the TTL)."""
+    now = [1000.0]
+    monkeypatch.setattr(response_store, "time", type("Clock", (), {"time": lambda: now[0]}))
+
     async def run() -> None:
         store = SqliteStore(tmp_path / "r.db", ttl=0.5)
         record = StoredResponse({"id": "resp_1", "status": "completed"}, [{"type": "message"}])
         await store.put("a", record)
         assert await store.get("b", "resp_1") is None
         await store.close()
+        now[0] += 0.4
         reopened = SqliteStore(tmp_path / "r.db", ttl=0.5)
         assert await reopened.get("a", "resp_1") == record
-        await asyncio.sleep(0.6)
+        now[0] += 0.2
         assert await reopened.get("a", "resp_1") is None
         assert not await reopened.delete("a", "resp_1")
         await reopened.close()
