@@ -115,13 +115,13 @@ def _populate_rest(view: torch.Tensor, start: int) -> None:
         error = _populate(view.data_ptr() + offset, min(POPULATE_CHUNK, nbytes - offset))
         if error:
             logger.warning(
-                "%.1f GiB of huge-page memory: faulting it in stopped at %.1f GiB: %s",
-                nbytes / 2**30, offset / 2**30, os.strerror(error),
+                "a %.1f GiB mapping (THP %s): faulting it in stopped at %.1f GiB: %s",
+                nbytes / 2**30, huge_pages(), offset / 2**30, os.strerror(error),
             )  # fmt: skip
             return
     logger.info(
-        "%.1f GiB of huge-page memory faulted in, behind the start, in %.1f s",
-        nbytes / 2**30, time.monotonic() - begin,
+        "a %.1f GiB mapping (THP %s) faulted in, behind the start, in %.1f s",
+        nbytes / 2**30, huge_pages(), time.monotonic() - begin,
     )  # fmt: skip
 
 
