@@ -40,17 +40,9 @@ sources = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(sources)
 CSRC: Path = sources.CSRC
 
-ENTRY_POINTS = (
-    "dispatch.cpp",
-    "attention_ops.cpp",
-    "elementwise_ops.cpp",
-    "quant_ops.cpp",
-    "bf16_linear_ops.cpp",
-    "decoder_ops.cpp",
-    "lora_ops.cpp",
-    "moe_ops.cpp",
-    "thread_pool.cpp",
-)
+# The entry points: entry_points.cpp includes every *_ops.cpp file, dispatch.cpp and
+# thread_pool.cpp, one translation unit that parses torch's headers once (see its comment).
+ENTRY_POINTS = ("entry_points.cpp",)
 KERNELS = (
     "attention_kernels.cpp",
     "elementwise_kernels.cpp",

@@ -103,8 +103,8 @@ void rotary_embedding(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   });
 }
 
-void silu_and_mul(const at::Tensor& out, const at::Tensor& gate_up,
-                  const std::optional<std::string>& isa) {
+void silu_and_mul_into(const at::Tensor& out, const at::Tensor& gate_up,
+                       const std::optional<std::string>& isa) {
   const int64_t I = out.size(-1);
   check_rows(out, I, "out");
   check_rows(gate_up, 2 * I, "gate_up");
@@ -137,5 +137,5 @@ TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("rms_norm", &pagedserve::rms_norm);
   m.impl("fused_add_rms_norm", &pagedserve::fused_add_rms_norm);
   m.impl("rotary_embedding", &pagedserve::rotary_embedding);
-  m.impl("silu_and_mul", &pagedserve::silu_and_mul);
+  m.impl("silu_and_mul", &pagedserve::silu_and_mul_into);
 }

@@ -26,7 +26,7 @@ namespace {
 // Rows of x per pass over the weights: each unpacked weight vector serves this many.
 constexpr int64_t kRowTile = 8;
 // Weights per parallel task: enough that a fork-join pays for itself.
-constexpr int64_t kMinWeightsPerTask = 1 << 16;
+constexpr int64_t kMinQuantWeightsPerTask = 1 << 16;
 
 QuantWeight check_weight(const at::Tensor& qweight, const at::Tensor& scales,
                          const std::optional<at::Tensor>& mins, int64_t bits, int64_t group,
@@ -146,7 +146,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   const PreparedRows prepared = prepare_rows(xc, w, kernels);
   at::Tensor out = at::empty({M, N}, x.options().dtype(dtype));
   const auto tiles = kernels.quant_tiles;
-  const int64_t grain = std::max<int64_t>(1, kMinWeightsPerTask / (QuantWeight::kTile * K));
+  const int64_t grain = std::max<int64_t>(1, kMinQuantWeightsPerTask / (QuantWeight::kTile * K));
   char* outp = static_cast<char*>(out.data_ptr());
   parallel_tiles(w.tiles(), grain, 2 * M * K * QuantWeight::kTile, [&](TileClaims& claims) {
     for (int64_t begin, end; claims.claim(begin, end);) {
@@ -172,7 +172,7 @@ inline int32_t order_key(float v) {
 
 // Bytes of outputs a thread computes at a time into its own buffer, which stays in its L2
 // while it looks for each row's largest.
-constexpr int64_t kArgmaxRunBytes = 64 << 10;
+constexpr int64_t kQuantArgmaxRunBytes = 64 << 10;
 
 // Each row's argmax over the first n_valid outputs of quant_linear(x, W) as an LM head's
 // logits are (float32; for bfloat16 x, the bfloat16 results as float32), the first on ties:
@@ -198,8 +198,8 @@ at::Tensor quant_linear_argmax(const at::Tensor& x, const at::Tensor& qweight,
   const auto tiles = kernels.quant_tiles;
   const int64_t valid_tiles = (n_valid + kTile - 1) / kTile;
   const int64_t row_tile = std::min(kRowTile, M);
-  const int64_t run = std::max<int64_t>(1, kArgmaxRunBytes / (row_tile * kTile * 4));
-  const int64_t grain = std::max<int64_t>(1, kMinWeightsPerTask / (kTile * K));
+  const int64_t run = std::max<int64_t>(1, kQuantArgmaxRunBytes / (row_tile * kTile * 4));
+  const int64_t grain = std::max<int64_t>(1, kMinQuantWeightsPerTask / (kTile * K));
   const int64_t tasks =
       std::clamp<int64_t>((valid_tiles + grain - 1) / grain, 1, at::get_num_threads());
   TileClaims claims(0, valid_tiles, grain, tasks);
@@ -250,7 +250,7 @@ at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales,
   }
   at::Tensor out32 = at::empty({R, w.K}, qweight.options().dtype(at::kFloat));
   float* out = out32.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(1, kMinWeightsPerTask / w.K);
+  const int64_t grain = std::max<int64_t>(1, kMinQuantWeightsPerTask / w.K);
   parallel_for(0, R, grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t n = ids[i];
