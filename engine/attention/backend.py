@@ -79,9 +79,9 @@ def allocate_kv_cache(
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     # On the CPU in huge pages: attention's reads hop from block to block. Faulted in
-    # behind the start: the first steps use a few of its pages (hugepages.py).
+    # before the engine is ready (hugepages.py says why not behind its start).
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return hugepages.zeros(nbytes, background=True).view(dtype).view(shape)
+    return hugepages.zeros(nbytes).view(dtype).view(shape)
 
 
 def kv_cache_bytes_per_block(

@@ -18,23 +18,23 @@ GB/s with torch's own huge pages (docs/benchmarks.md, 2026-11-29).
 Where the kernel offers no THP (mode "never", or built without it) the mapping is plain
 memory, and `huge_pages()` says so (`pagedserve info`).
 
-The KV cache, gigabytes the first steps do not touch, is faulted in behind the start
-(`zeros(..., background=True)`): MADV_POPULATE_WRITE backs a range as a write would, without
-writing, so a thread can run it while the engine already writes its first pages. The
-bundled model's 4 GiB took 2.5-11 s to touch at startup on a 2-core VM, most of it the
-kernel finding and clearing 2,048 huge pages.
+A mapping is faulted in before zeros() returns, with MADV_POPULATE_WRITE where the kernel
+has it (Linux 5.14 and later): it backs the range as a write would, from pages the kernel
+has cleared, without writing them again from here. It was once faulted in behind the
+engine's start on a low-priority thread: the server was ready about 4 s sooner, but served
+20-25% slower until the thread ended, 16 s and more after ready on a 2-core VM (see
+docs/benchmarks.md, 2026-12-07).
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import logging
 import mmap
 import os
 import sys
-import threading
-import time
 from pathlib import Path
 
 import torch
@@ -47,8 +47,8 @@ ALIGN = 64
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 # madvise(2): fault a range in writable, its contents untouched (Linux 5.14 and later).
 MADV_POPULATE_WRITE = 23
+# Bytes faulted in per madvise call.
 POPULATE_CHUNK = 64 << 20
-_populating: list[threading.Thread] = []
 
 
 @functools.cache
@@ -65,12 +65,10 @@ def huge_pages() -> str:
     return chosen[0] if chosen else "unavailable"
 
 
-def zeros(nbytes: int, background: bool = False) -> torch.Tensor:
+def zeros(nbytes: int) -> torch.Tensor:
     """A uint8 CPU tensor of `nbytes` zeros, starting on a 2 MiB boundary of an anonymous
-    mapping marked MADV_HUGEPAGE where the kernel takes that. The mapping lives as long
-    as any tensor viewing it. `background`: return once the first POPULATE_CHUNK bytes
-    are in, and fault in the rest on a thread of low priority (wait_populated waits for
-    it), where the kernel has MADV_POPULATE_WRITE; else all of it now."""
+    mapping marked MADV_HUGEPAGE where the kernel takes that, every page of it in. The
+    mapping lives as long as any tensor viewing it."""
     if nbytes <= 0:
         return torch.zeros(0, dtype=torch.uint8)
     # Private (a shared anonymous mapping is shmem, whose huge pages are another switch).
@@ -83,18 +81,18 @@ def zeros(nbytes: int, background: bool = False) -> torch.Tensor:
         # has ruled out.
         region.madvise(mmap.MADV_HUGEPAGE)
     view = whole[offset : offset + nbytes]
-    first = min(nbytes, POPULATE_CHUNK)
-    if background and _populate(view.data_ptr(), first) == 0:
-        if first < nbytes:
-            thread = threading.Thread(
-                target=_populate_rest, args=(view, first), name="populate", daemon=True
-            )
-            thread.start()
-            _populating.append(thread)
-        return view
-    # Touched by a write now, as torch.zeros would: a range first touched by a read maps
-    # the shared zero page, and the write after it splits the range into 4 KiB pages.
-    return view.zero_()
+    for begin in range(0, nbytes, POPULATE_CHUNK):
+        error = _populate(view.data_ptr() + begin, min(POPULATE_CHUNK, nbytes - begin))
+        if error == 0:
+            continue
+        if error == errno.ENOMEM:  # the kernel could not back the range
+            raise MemoryError(f"faulting in {nbytes / 2**30:.1f} GiB: {os.strerror(error)}")
+        # No MADV_POPULATE_WRITE (EINVAL: a kernel before 5.14; not Linux): touched by a
+        # write, as torch.zeros would (a range first touched by a read maps the shared zero
+        # page, and the write after it splits the range into 4 KiB pages).
+        view[begin:].zero_()
+        break
+    return view
 
 
 def _populate(address: int, length: int) -> int:
@@ -106,35 +104,6 @@ def _populate(address: int, length: int) -> int:
     libc = ctypes.CDLL(None, use_errno=True)
     done = libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_POPULATE_WRITE)
     return 0 if done == 0 else ctypes.get_errno()
-
-
-def _populate_rest(view: torch.Tensor, start: int) -> None:
-    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # after the engine's work
-    begin, nbytes = time.monotonic(), view.numel()
-    for offset in range(start, nbytes, POPULATE_CHUNK):
-        error = _populate(view.data_ptr() + offset, min(POPULATE_CHUNK, nbytes - offset))
-        if error:
-            logger.warning(
-                "a %.1f GiB mapping (THP %s): faulting it in stopped at %.1f GiB: %s",
-                nbytes / 2**30, huge_pages(), offset / 2**30, os.strerror(error),
-            )  # fmt: skip
-            return
-    logger.info(
-        "a %.1f GiB mapping (THP %s) faulted in, behind the start, in %.1f s",
-        nbytes / 2**30, huge_pages(), time.monotonic() - begin,
-    )  # fmt: skip
-
-
-def wait_populated(timeout: float | None = None) -> bool:
-    """Waits for the background population of every `zeros(..., background=True)` so far;
-    whether all of it ended within `timeout` seconds."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    for thread in list(_populating):
-        thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        if thread.is_alive():
-            return False
-        _populating.remove(thread)
-    return True
 
 
 def gather(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 import pytest
@@ -99,24 +100,27 @@ def test_gather_copies_each_tensor_side_by_side() -> None:
     assert starts[-1] - base < 1 << 20
 
 
-def test_background_zeros_fault_in_behind_writes_that_come_first() -> None:
-    """What the engine writes while the thread faults the rest in stays written: the
-    population backs pages without writing them."""
-    nbytes = 5 * hugepages.POPULATE_CHUNK + 12345
-    t = hugepages.zeros(nbytes, background=True)
-    marks = torch.arange(0, nbytes, 4096 * 1021)  # one byte in many pages, first to last
-    t[marks] = 7
-    assert hugepages.wait_populated(timeout=120)
-    assert resident_kb(t) * 1024 >= nbytes  # every page is in
-    assert int(t.count_nonzero()) == marks.numel() and bool((t[marks] == 7).all())
+def test_zeros_are_in_and_zero_when_they_return() -> None:
+    """Every page faulted in (MADV_POPULATE_WRITE, in chunks, the last one short), and
+    every byte zero."""
+    nbytes = 3 * hugepages.POPULATE_CHUNK + 12345
+    t = hugepages.zeros(nbytes)
+    assert t.numel() == nbytes and t.data_ptr() % hugepages.HUGE_PAGE == 0
+    assert resident_kb(t) * 1024 >= nbytes
+    assert int(t.count_nonzero()) == 0
 
 
-def test_without_the_kernels_populate_zeros_touch_everything_at_once(
+def test_without_the_kernels_populate_zeros_are_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hugepages, "MADV_POPULATE_WRITE", 0x7FFF)  # an advice no kernel has
+    assert hugepages._populate(hugepages.zeros(4096).data_ptr(), 4096) == errno.EINVAL
+    nbytes = 2 * hugepages.POPULATE_CHUNK
+    t = hugepages.zeros(nbytes)
+    assert resident_kb(t) * 1024 >= nbytes and int(t.count_nonzero()) == 0
+
+
+def test_a_range_the_kernel_cannot_back_is_a_memory_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(hugepages, "MADV_POPULATE_WRITE", 0x7FFF)  # an advice no kernel has
-    assert hugepages._populate(hugepages.zeros(4096).data_ptr(), 4096) != 0
-    nbytes = 2 * hugepages.POPULATE_CHUNK
-    t = hugepages.zeros(nbytes, background=True)
-    assert not hugepages._populating  # no thread: zeroed in the call
-    assert resident_kb(t) * 1024 >= nbytes and int(t.count_nonzero()) == 0
+    monkeypatch.setattr(hugepages, "_populate", lambda address, length: errno.ENOMEM)
+    with pytest.raises(MemoryError, match=r"faulting in 0\.1 GiB: Cannot allocate memory"):
+        hugepages.zeros(hugepages.POPULATE_CHUNK + 4096)
