@@ -31,15 +31,12 @@ from __future__ import annotations
 import ctypes
 import errno
 import functools
-import logging
 import mmap
 import os
 import sys
 from pathlib import Path
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
 # Each tensor's offset in a gathered mapping: a cache line, as the kernels' vector loads like.
