@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import threading
 from pathlib import Path
 
 import pytest
@@ -124,3 +125,35 @@ def test_a_range_the_kernel_cannot_back_is_a_memory_error(
     monkeypatch.setattr(hugepages, "_populate", lambda address, length: errno.ENOMEM)
     with pytest.raises(MemoryError, match=r"faulting in 0\.1 GiB: Cannot allocate memory"):
         hugepages.zeros(hugepages.POPULATE_CHUNK + 4096)
+
+
+def test_chunks_fault_in_on_torchs_threads_each_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first chunk on the calling thread, the rest two at once (torch's two threads);
+    a later chunk the kernel refuses is written instead."""
+    calls: list[tuple[int, int]] = []
+    both = threading.Barrier(2, timeout=30)
+    real = hugepages._populate
+
+    def populate(address: int, length: int) -> int:
+        calls.append((address, length))
+        if len(calls) > 1:
+            both.wait()  # breaks (and fails the test) unless two chunks run at once
+        return errno.EINVAL if len(calls) == 3 else real(address, length)
+
+    monkeypatch.setattr(hugepages, "_populate", populate)
+    monkeypatch.setattr(hugepages, "POPULATE_CHUNK", 4 * hugepages.HUGE_PAGE)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        t = hugepages.zeros(4 * hugepages.POPULATE_CHUNK + 4096)
+    finally:
+        torch.set_num_threads(threads)
+    base = t.data_ptr()
+    assert sorted((a - base, n) for a, n in calls) == [
+        (0, hugepages.POPULATE_CHUNK),
+        (hugepages.POPULATE_CHUNK, hugepages.POPULATE_CHUNK),
+        (2 * hugepages.POPULATE_CHUNK, hugepages.POPULATE_CHUNK),
+        (3 * hugepages.POPULATE_CHUNK, hugepages.POPULATE_CHUNK),
+        (4 * hugepages.POPULATE_CHUNK, 4096),
+    ]
+    assert resident_kb(t) * 1024 >= t.numel() and int(t.count_nonzero()) == 0
