@@ -357,7 +357,9 @@ class EngineCoreProc:
 def main() -> int:
     """The process's work (ENTRY_POINT runs it), with a pickled CoreLaunch on stdin."""
     from engine.core import EngineCore
+    from engine.models.hf_config import import_config_machinery
 
+    import_config_machinery()  # a prestarted core's frontend is still starting
     data = sys.stdin.buffer.read()
     if not data:  # a prestarted core (core_client.prestart_core) its frontend did not use
         return 0

@@ -32,6 +32,14 @@ def find_gguf_weights(folder: Path, gguf_file: str | None) -> Path | None:
     return found[0] if len(found) == 1 else None
 
 
+def import_config_machinery() -> None:
+    """Imports what reading a model's config imports, before the model is known: transformers'
+    config classes' shared base (torch.distributed's tensor ops among it), about 2 s of a
+    2-core VM, which a prestarted core (engine/core_proc.py) pays while its frontend starts.
+    Llama's config class stands for all: it imports that base in every transformers 5."""
+    from transformers import AutoConfig, LlamaConfig  # noqa: F401
+
+
 def load_hf_config(folder: Path, gguf_file: str | None) -> Any:
     from transformers import AutoConfig
 
