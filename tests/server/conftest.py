@@ -42,6 +42,7 @@ def default_server(default_model_dir: Path) -> Iterator[LiveServer]:
             model=str(default_model_dir),
             dtype="float32",
             max_model_len=1024,
+            num_kv_blocks=256,  # not the default 4 GiB, faulted in at each module's start
             engine_in_process=True,
         )
     )

@@ -60,6 +60,8 @@ def test_sigterm_drains_in_flight_streams(default_model_dir: Path, tmp_path: Pat
         "float32",
         "--max-model-len",
         "512",
+        "--num-kv-blocks",
+        "64",
         "--shutdown-timeout",
         "60",
         "--log-format",
