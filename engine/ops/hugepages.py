@@ -21,12 +21,11 @@ memory, and `huge_pages()` says so (`pagedserve info`).
 A mapping is faulted in before zeros() returns, with MADV_POPULATE_WRITE where the kernel
 has it (Linux 5.14 and later): it backs the range as a write would, from pages the kernel
 has cleared, without writing them again from here, in 64 MiB chunks on as many threads as
-torch's: on a 2-core VM the bundled model's 4 GiB KV cache took 2.2-11.1 s on one thread
+torch's: on a 2-core VM the bundled model's 4 GiB KV cache took 0.3-11.1 s on one thread
 and 0.2-1.5 on two (the hypervisor backs the pages as they fault; its speed swings from
-run to run). It was once faulted in behind the
-engine's start on a low-priority thread: the server was ready about 4 s sooner, but served
-20-25% slower until the thread ended, 16 s and more after ready on a 2-core VM (see
-docs/benchmarks.md, 2026-12-07).
+run to run). It was once faulted in behind the engine's start on a low-priority thread:
+the server was ready about 4 s sooner, but served 20-25% slower until the thread ended,
+16 s and more after ready on a 2-core VM (see docs/benchmarks.md, 2026-12-07).
 """
 
 from __future__ import annotations

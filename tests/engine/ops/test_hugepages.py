@@ -131,14 +131,17 @@ def test_chunks_fault_in_on_torchs_threads_each_once(monkeypatch: pytest.MonkeyP
     """The first chunk on the calling thread, the rest two at once (torch's two threads);
     a later chunk the kernel refuses is written instead."""
     calls: list[tuple[int, int]] = []
+    lock = threading.Lock()
     both = threading.Barrier(2, timeout=30)
     real = hugepages._populate
 
     def populate(address: int, length: int) -> int:
-        calls.append((address, length))
-        if len(calls) > 1:
+        with lock:
+            calls.append((address, length))
+            nth = len(calls)
+        if nth > 1:
             both.wait()  # breaks (and fails the test) unless two chunks run at once
-        return errno.EINVAL if len(calls) == 3 else real(address, length)
+        return errno.EINVAL if nth == 3 else real(address, length)
 
     monkeypatch.setattr(hugepages, "_populate", populate)
     monkeypatch.setattr(hugepages, "POPULATE_CHUNK", 4 * hugepages.HUGE_PAGE)
