@@ -8,8 +8,10 @@ Shapes are the default model's (SmolLM2-135M) linear layers: qkv (960x576), o (5
 gate_up (3072x576), down (576x1536), as int4 groups of 32 (the Q4_1 layout). The weights
 stay in the CPU's caches here, unlike in a whole model's step, so the dense copy looks better
 at one row than it is; this shows where the lines cross for many rows, which is what picks
-DENSE_COPY_ROWS. Then the quantized kernel alone over 30 layers in a step's order, streamed from
-memory as in decode (rows up to 16), and over the default model's Q8_0 LM head, streamed.
+DENSE_COPY_ROWS. Then the one-row int4 kernel's arithmetic rate on one thread, its weights in
+the caches and the cost of a call subtracted (what it can do where memory is no limit), then
+the quantized kernel alone over 30 layers in a step's order, streamed from memory as in decode
+(rows up to 16), and over the default model's Q8_0 LM head, streamed.
 Not a test: nothing is asserted.
 """
 
@@ -91,7 +93,42 @@ def main() -> None:
             x = torch.randn(rows, k).to(torch.bfloat16)
             times = [mean_us(fn, args.reps) for fn in ways(x, tiled, copy)]
             print(f"{name:8s} {rows:5d} {times[0]:10.1f} {times[1]:13.1f} {times[2]:11.1f}")
+    compute_rate(args.reps * 20)
     stream(args.rows)
+
+
+def compute_rate(reps: int) -> None:
+    """The one-row int4 kernel on one thread, each shape's weights read again and again (so
+    from the caches), less a one-tile call's time (the dispatch from Python and the op's
+    setup): its arithmetic rate, and the weight stream that rate consumes. Where that stream
+    is below what memory gives a thread, the kernel's arithmetic, not memory, bounds a
+    decode step's linears."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(2)
+
+    def per_call_us(n: int, k: int) -> tuple[float, int]:
+        tiled = pack_tiles(quantize_int4(torch.randn(n, k, generator=g), 32))
+        x, kernel_args = torch.randn(1, k, generator=g).bfloat16(), tiled.kernel_args()
+
+        def calls() -> None:
+            for _ in range(reps):
+                native_ops.quant_linear(x, kernel_args)
+
+        return best_of(calls, 5) / reps * 1e6, tiled.nbytes
+
+    try:
+        call_us, _ = per_call_us(16, 64)
+        print(f"one row, one thread, weights in the caches, less a one-tile call: {call_us:.1f} us")
+        for name, (n, k) in SHAPES.items():
+            us, nbytes = per_call_us(n, k)
+            kernel_us = us - call_us
+            print(
+                f"{name:8s} {kernel_us:7.1f} us: {n * k / kernel_us / 1e3:5.1f} GMAC/s, "
+                f"{nbytes / kernel_us / 1e3:5.1f} GB/s of int4-g32 weights"
+            )
+    finally:
+        torch.set_num_threads(threads)
 
 
 def stream(row_counts: list[int], layers: int = 30) -> None:
