@@ -101,8 +101,8 @@ def compute_rate(reps: int) -> None:
     """The one-row int4 kernel on one thread, each shape's weights read again and again (so
     from the caches), less a one-tile call's time (the dispatch from Python and the op's
     setup): its arithmetic rate, and the weight stream that rate consumes. Where that stream
-    is below what memory gives a thread, the kernel's arithmetic, not memory, bounds a
-    decode step's linears."""
+    is below what memory gives one thread (hardware_limits.py), a thread's share of a
+    decode step's linears is bound by its arithmetic, not by memory."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(2)
