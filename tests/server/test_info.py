@@ -24,6 +24,17 @@ def info(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
     )
 
 
+def refused_here(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int | str | None, str]:
+    """`pagedserve info ARGS` in this process, for the command line's refusals (each comes
+    before anything is loaded or set): its exit code and stderr. A process of its own costs
+    about 5 s of imports; the real entry point's run is `info` above."""
+    from server.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["info", *args])
+    return exited.value.code, capsys.readouterr().err
+
+
 def facts(output: str) -> dict[str, str]:
     return dict(line.split(": ", 1) for line in output.splitlines())
 
@@ -72,18 +83,22 @@ def test_the_startup_log_line_says_the_same(tiny_model_dir: Path, tmp_path: Path
     assert "CUDA" not in described
 
 
-def test_info_reads_the_environment_and_refuses_what_cannot_run() -> None:
+def test_info_reads_the_environment_and_refuses_what_cannot_run(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     from_env = info(env={"PAGEDSERVE_ATTENTION_BACKEND": "torch", "PAGEDSERVE_DTYPE": "float32"})
     assert facts(from_env.stdout)["attention"] == "torch (requested)"
-    flashinfer = info("--attention-backend", "flashinfer")
-    assert flashinfer.returncode == 2
-    assert "'flashinfer' is unavailable: CUDA is not available" in flashinfer.stderr
+    code, stderr = refused_here(capsys, "--attention-backend", "flashinfer")
+    assert code == 2
+    assert "'flashinfer' is unavailable: CUDA is not available" in stderr
 
 
 @pytest.mark.parametrize("flag", ["--port", "--max-model-len"])
-def test_info_takes_only_the_settings_it_reports(flag: str) -> None:
-    result = info(flag, "8000")
-    assert result.returncode == 2 and "unrecognized arguments" in result.stderr
+def test_info_takes_only_the_settings_it_reports(
+    flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, stderr = refused_here(capsys, flag, "8000")
+    assert code == 2 and "unrecognized arguments" in stderr
 
 
 def test_the_flag_and_the_environment_force_an_instruction_set(tiny_model_dir: Path) -> None:
@@ -95,20 +110,24 @@ def test_the_flag_and_the_environment_force_an_instruction_set(tiny_model_dir: P
     assert forced in env.stdout.splitlines(), env.stderr
 
 
-def test_a_set_that_cannot_run_here_exits_2_naming_the_choices(tiny_model_dir: Path) -> None:
+def test_a_set_that_cannot_run_here_exits_2_naming_the_choices(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """An unknown set, and every built set this CPU lacks (none on a CPU that runs them
     all), from `info` and from `serve`, which refuses it before it loads anything."""
     from engine.ops.loader import native_kernels
 
     kernels = native_kernels()
     choices = f"{', '.join(kernels.supported)} (built: {', '.join(kernels.built)})"
-    unknown = info(str(tiny_model_dir), "--cpu-isa", "sse9")
-    assert unknown.returncode == 2
-    assert f"--cpu-isa sse9: this build has no sse9; this CPU runs {choices}" in unknown.stderr
+    code, stderr = refused_here(capsys, str(tiny_model_dir), "--cpu-isa", "sse9")
+    assert code == 2
+    assert f"--cpu-isa sse9: this build has no sse9; this CPU runs {choices}" in stderr
     for isa in (isa for isa in kernels.built if isa not in kernels.supported):
-        lacking = info(str(tiny_model_dir), env={"PAGEDSERVE_CPU_ISA": isa})
-        assert lacking.returncode == 2
-        assert f"--cpu-isa {isa}: this CPU lacks {isa}; it runs {choices}" in lacking.stderr
+        monkeypatch.setenv("PAGEDSERVE_CPU_ISA", isa)
+        code, stderr = refused_here(capsys, str(tiny_model_dir))
+        assert code == 2
+        assert f"--cpu-isa {isa}: this CPU lacks {isa}; it runs {choices}" in stderr
+    monkeypatch.delenv("PAGEDSERVE_CPU_ISA", raising=False)
     serve = subprocess.run(
         [sys.executable, "-m", "server.cli", "serve", str(tiny_model_dir), "--cpu-isa", "sse9"],
         capture_output=True,
