@@ -71,14 +71,21 @@ def test_info_prints_what_runs_on_this_cpu(default_model_dir: Path) -> None:
         "quantization": "GGUF as stored, dense copy for steps of over 8 tokens",
     }
     assert "CUDA" not in result.stdout
-    dense = info(str(default_model_dir), *SETTINGS, "--quantization", "none")
-    assert facts(dense.stdout)["quantization"] == "none"
 
 
-def test_the_startup_log_line_says_the_same(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_info_names_the_quantization_it_was_asked_for(
+    default_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dense = info_here(capsys, str(default_model_dir), *SETTINGS, "--quantization", "none")
+    assert dense["quantization"] == "none"
+
+
+def test_the_startup_log_line_says_the_same(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Also with a forced instruction set, which `serve` applies as `info` does."""
     settings = [*SETTINGS, "--cpu-isa", "portable"]
-    expected = facts(info(str(tiny_model_dir), *settings).stdout)
+    expected = info_here(capsys, str(tiny_model_dir), *settings)
     assert expected["quantization"] == "none"
     assert expected["native kernels"] == "portable (forced by --cpu-isa)"
     log = tmp_path / "server.log"
