@@ -174,9 +174,12 @@ def test_q4_1_greedy_tokens_equal_transformers(default_model_dir: Path) -> None:
     ]
     hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
     llm = LLM(
-        str(default_model_dir), dtype="float32", max_model_len=512, num_kv_blocks=64,
+        str(default_model_dir),
+        dtype="float32",
+        max_model_len=512,
+        num_kv_blocks=64,
         quantization="gguf",
-    )  # fmt: skip
+    )
     assert llm.config.quant.method == "gguf"
     # Both stop at EOS (transformers always does), so the sequences end alike.
     params = SamplingParams(temperature=0.0, max_tokens=24)
