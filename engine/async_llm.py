@@ -20,6 +20,7 @@ the inbox.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import os
 import pickle
@@ -29,13 +30,11 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from engine.config import EngineArgs, EngineConfig, EngineHooks, load_tokenizer, tokenizer_at
-from engine.core import EngineCore
+from engine.config import EngineArgs, EngineConfig, EngineHooks, load_tokenizer
 from engine.core_client import CoreProcess
 from engine.core_proc import (
     ABORT,
@@ -55,7 +54,6 @@ from engine.core_proc import (
 from engine.errors import EngineClosedError, EngineDeadError, RequestValidationError
 from engine.introspection import EngineMonitor, EngineView
 from engine.lora.request import LoRARequest
-from engine.models.hf_config import resolve_model_path
 from engine.output_processor import EMBEDDING_PARAMS, OutputProcessor
 from engine.outputs import IterationStats
 from engine.pooling import PoolingParams, check_task
@@ -63,6 +61,9 @@ from engine.request import Request, check_prompt_length
 from engine.sampling_params import SamplingParams
 from engine.scheduler.output import SchedulerStats, StepResult
 from engine.streams import OutputCollector, RequestStream
+
+if TYPE_CHECKING:
+    from engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -102,32 +103,16 @@ def _log_call_failure(call: asyncio.Future[Any]) -> None:
         logger.debug("engine core call failed: %r", call.exception())
 
 
-def tokenizer_beside_core(
-    model: str | Path | None,
-) -> Future[tuple[tuple[Path, str | None], Any]] | None:
-    """Starts loading the tokenizer of `model` (a path, as EngineArgs.model gives it) on a
-    thread of its own, while the core process loads the model: the frontend used to load
-    it after the core's report, some 2 s of the default model's startup on two cores
-    (docs/benchmarks.md, "Startup"). The future holds the (folder, GGUF file) it read and
-    the tokenizer. For the bundled model (model None), only once it has been prepared: a
-    first preparation is the core's, before anything can read it."""
-    if model is None:
-        from engine.models.default_model import prepared_default_model
-
-        model = prepared_default_model()
-        if model is None:
-            return None
-    future: Future[tuple[tuple[Path, str | None], Any]] = Future()
+def tokenizer_imports_beside_core() -> None:
+    """Imports transformers' tokenizer classes on a thread of their own while the core
+    process loads the model (about 1 s on a 2-core VM), so the tokenizer in the core's
+    report unpickles at once. The frontend reads no tokenizer itself (core_proc.CoreReady):
+    that would import torch."""
 
     def run() -> None:
-        try:
-            where = resolve_model_path(model)
-            future.set_result((where, tokenizer_at(*where)))
-        except BaseException as exc:  # the caller reads it; see _over
-            future.set_exception(exc)
+        importlib.import_module("transformers.tokenization_utils_tokenizers")
 
-    threading.Thread(target=run, name="pagedserve-tokenizer", daemon=True).start()
-    return future
+    threading.Thread(target=run, name="pagedserve-tokenizer-imports", daemon=True).start()
 
 
 def engine_thread() -> ThreadPoolExecutor:
@@ -215,8 +200,10 @@ class AsyncLLM:
         or with `args.engine_in_process` on the thread that will run the steps
         (engine_thread)."""
         if not args.engine_in_process:
-            early = tokenizer_beside_core(args.model)
-            return cls._over(CoreProcess.launch(args, hooks, logging_config), early)
+            tokenizer_imports_beside_core()
+            return cls._over(CoreProcess.launch(args, hooks, logging_config))
+        from engine.core import EngineCore  # torch: a frontend of a core process needs none
+
         executor = engine_thread()
         try:
             core = executor.submit(EngineCore.from_args, args, hooks).result()
@@ -226,34 +213,23 @@ class AsyncLLM:
         return cls(core, core.tokenizer, executor)
 
     @classmethod
-    def attach(cls, channel: CoreChannel, pid: int, model: str | Path | None = None) -> AsyncLLM:
+    def attach(cls, channel: CoreChannel, pid: int) -> AsyncLLM:
         """A frontend of the engine core process `pid` that a supervisor started for
-        several frontends (start_core), serving `model` (EngineArgs.model); blocks until
-        the core has loaded."""
-        early = tokenizer_beside_core(model)
-        return cls._over(CoreProcess.attach(channel, pid), early)
+        several frontends (start_core); blocks until the core has loaded."""
+        tokenizer_imports_beside_core()
+        return cls._over(CoreProcess.attach(channel, pid))
 
     @classmethod
-    def _over(
-        cls,
-        process: CoreProcess,
-        early: Future[tuple[tuple[Path, str | None], Any]] | None = None,
-    ) -> AsyncLLM:
-        """The frontend of a loaded core process, with the model's tokenizer: the one
-        loaded beside the core (`early`), if it read the files the core did; else loaded
-        now, which raises what a failed early load raised, or loads what it did not."""
-        model = process.config.model
-        try:
-            tokenizer = None
-            if early is not None and early.exception() is None:
-                where, loaded = early.result()
-                if where == (model.path, model.gguf_file):
-                    tokenizer = loaded
-            if tokenizer is None:
-                tokenizer = load_tokenizer(model)
-        except BaseException:
-            process.close()
-            raise
+    def _over(cls, process: CoreProcess) -> AsyncLLM:
+        """The frontend of a loaded core process, with the tokenizer from the core's
+        report; read here only where the core's did not pickle."""
+        tokenizer = process.tokenizer
+        if tokenizer is None:
+            try:
+                tokenizer = load_tokenizer(process.config.model)
+            except BaseException:
+                process.close()
+                raise
         return cls(process, tokenizer)
 
     # ---- lifecycle -----------------------------------------------------------------

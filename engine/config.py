@@ -678,11 +678,6 @@ def _max_model_len(requested: int | None, arch: ModelArch) -> int:
 
 def load_tokenizer(model: ModelConfig) -> Any:
     """The model's Hugging Face tokenizer, from its directory (or GGUF file)."""
-    return tokenizer_at(model.path, model.gguf_file)
-
-
-def tokenizer_at(folder: Path, gguf_file: str | None) -> Any:
-    """The Hugging Face tokenizer in `folder` (of GGUF file `gguf_file` there, if given)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    return AutoTokenizer.from_pretrained(model.path, gguf_file=model.gguf_file)

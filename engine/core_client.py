@@ -34,7 +34,7 @@ import zmq
 import zmq.asyncio
 
 import engine
-from engine.config import EngineArgs, EngineConfig, EngineHooks
+from engine.config import EngineArgs, EngineHooks
 from engine.core_proc import (
     CALL,
     ENCODER,
@@ -225,7 +225,7 @@ def wait_loaded(channel: CoreChannel) -> CoreReady | BaseException | None:
 class CoreProcess:
     def __init__(
         self,
-        config: EngineConfig,
+        ready: CoreReady,
         channel: CoreChannel,
         pid: int,
         proc: subprocess.Popen[bytes] | None = None,
@@ -233,7 +233,8 @@ class CoreProcess:
     ):
         """`proc` and `directory` when this frontend started the core (and stops it);
         without them, a supervisor owns both and this frontend only leaves."""
-        self.config = config
+        self.config = ready.config
+        self.tokenizer = ready.tokenizer  # the core's, or None (see core_proc.CoreReady)
         self.pid = pid
         self.proc = proc
         self._directory = directory
@@ -279,7 +280,7 @@ class CoreProcess:
                 f"the engine core process exited with code {start.proc.returncode} while loading"
             )
         logger.info("engine core: process %d", start.proc.pid)
-        return cls(result.config, start.channels[0], start.proc.pid, start.proc, start.directory)
+        return cls(result, start.channels[0], start.proc.pid, start.proc, start.directory)
 
     @classmethod
     def attach(cls, channel: CoreChannel, pid: int) -> CoreProcess:
@@ -290,7 +291,7 @@ class CoreProcess:
             raise result
         if result is None:
             raise RuntimeError("the engine core process exited while loading")
-        return cls(result.config, channel, pid)
+        return cls(result, channel, pid)
 
     # ---- on the event loop -----------------------------------------------------------
 

@@ -22,8 +22,10 @@ The hot messages (adds, aborts, step results) are msgspec-encoded typed batches.
 frontend has watchers, the core sends its state for the live view between steps, as often
 as the frontend's EngineMonitor would take one in-process: after a step once one is due,
 and after min_interval of idleness.
-Before the sockets, the process reports its load on a pipe: the EngineConfig, or the
-exception that stopped it, as a pickle.
+Before the sockets, the process reports its load on a pipe: the EngineConfig and the
+tokenizer the core loaded, or the exception that stopped it, as a pickle. The frontend takes
+the tokenizer from there: reading it with AutoTokenizer would import torch (transformers'
+config machinery does), some 2 s and 250 MB of a frontend that runs no model.
 
 With several frontends, frontend 0 gets every step's result (it publishes the engine's
 gauges and counters, once); the others get a step's result when it holds outputs of theirs.
@@ -153,7 +155,11 @@ class CoreLaunch:
 
 @dataclass(frozen=True)
 class CoreReady:
+    """A loaded core's report. `tokenizer`: the model's, as the core read it (None where it
+    does not pickle; the frontend then reads its own)."""
+
     config: EngineConfig
+    tokenizer: Any = None
 
 
 class EngineCoreProc:
@@ -389,7 +395,7 @@ def main() -> int:
         logger.exception("engine core: loading failed")
         _report(launch.channels, _picklable(exc))
         return 1
-    _report(launch.channels, CoreReady(core.config))
+    _report(launch.channels, CoreReady(core.config, core.tokenizer))
     inputs, outputs = [], []
     for channel in launch.channels:
         inputs.append(context.socket(zmq.PULL))
@@ -432,7 +438,12 @@ def run_and_exit() -> None:
 
 def _report(channels: list[CoreChannel], result: CoreReady | BaseException) -> None:
     """The load's outcome, to every frontend's pipe (one that has gone is skipped)."""
-    payload = pickle.dumps(result)
+    try:
+        payload = pickle.dumps(result)
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        assert isinstance(result, CoreReady)  # exceptions are made picklable first
+        logger.warning("engine core: the tokenizer does not pickle (%r); frontends read it", exc)
+        payload = pickle.dumps(CoreReady(result.config))
     for channel in channels:
         try:
             with os.fdopen(channel.ready_fd, "wb") as ready:

@@ -54,7 +54,6 @@ class FrontendLaunch:
     port: int  # the port the supervisor reserved (--port, or the one 0 picked)
     channel: CoreChannel
     core_pid: int
-    model: str | None  # EngineArgs.model: the frontend loads its tokenizer beside the core
 
 
 def listening_socket(host: str, port: int, listen: bool = True) -> socket.socket:
@@ -91,9 +90,7 @@ def run_api_servers(settings: ServerSettings, engine_args: EngineArgs, hooks: En
     frontends: list[subprocess.Popen[bytes]] = []
     try:
         for index, channel in enumerate(start.channels):
-            launch = FrontendLaunch(
-                settings, index, port, channel, start.proc.pid, engine_args.model
-            )
+            launch = FrontendLaunch(settings, index, port, channel, start.proc.pid)
             frontends.append(spawn_frontend(launch, metrics_dir))
             os.close(channel.ready_fd)  # the frontend holds its own copy
         return supervise(start.proc, frontends)
@@ -187,7 +184,7 @@ def frontend_main() -> int:
     # Attached before it listens: the kernel hands connections to every listening frontend,
     # so one still attaching would answer them 503 while the others serve.
     try:
-        engine = AsyncLLM.attach(launch.channel, launch.core_pid, launch.model)
+        engine = AsyncLLM.attach(launch.channel, launch.core_pid)
     except Exception:
         logger.exception("model loading failed")
         code = 1

@@ -154,7 +154,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ServerSettings, EngineA
 
 
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> NoReturn:
-    from engine import check_cpu_kernels, check_scheduling_options
+    from engine import check_scheduling_options
     from server.runner import run_server
 
     try:
@@ -172,7 +172,10 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> NoRetur
 
         discard_prestarted()
     try:
-        check_cpu_kernels(engine_args)
+        if engine_args.cpu_isa != "auto":  # a forced set (auto needs no check, nor torch)
+            from engine import check_cpu_kernels
+
+            check_cpu_kernels(engine_args)
         check_scheduling_options(engine_args)
     except ValueError as exc:
         parser.error(str(exc))

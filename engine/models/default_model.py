@@ -79,13 +79,6 @@ def prepare_default_model() -> Path:
     return target
 
 
-def prepared_default_model() -> Path | None:
-    """The prepared directory, or None before the first prepare_default_model has made it:
-    for a reader that must not start a preparation of its own."""
-    target = default_model_dir()
-    return target if _complete(target) else None
-
-
 def lock_file(target: Path) -> Path:
     return target.with_name(f".{target.name}.lock")
 

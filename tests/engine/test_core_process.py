@@ -5,9 +5,9 @@ prefix-cache reset, a failed step) behaves as it does in-process."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
-import threading
 from collections import deque
 from pathlib import Path
 
@@ -25,8 +25,8 @@ from engine import (
     start_core,
 )
 from engine.config import load_tokenizer
-from engine.core_client import discard_prestarted, prestart_core
-from engine.core_proc import ADD, CoreRequest
+from engine.core_client import CoreProcess, discard_prestarted, prestart_core, wait_loaded
+from engine.core_proc import ADD, CoreChannel, CoreReady, CoreRequest, _report
 from engine.sampling_params import RequestOutputKind
 from engine.scheduler.output import SchedulerStats
 from tests.tiny_models import make_tiny_model
@@ -205,27 +205,25 @@ def test_two_frontends_share_a_core_and_one_that_quits_loses_its_requests(
         shutil.rmtree(start.directory, ignore_errors=True)
 
 
-def watch_the_load(monkeypatch: pytest.MonkeyPatch, fail_early: bool = False) -> list[str]:
-    """What happens, in order, as a frontend starts: its tokenizer read beside the core
-    ("tokenizer on <thread>"; `fail_early`: that read raises), and the core's report."""
+def watch_the_load(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """What happens, in order, as a frontend starts: the core's report ("core loaded"),
+    and a tokenizer the frontend reads itself ("tokenizer read")."""
     import engine.async_llm as async_llm
     import engine.core_client as core_client
 
     events: list[str] = []
-    read, wait = async_llm.tokenizer_at, core_client.wait_loaded
+    read, wait = async_llm.load_tokenizer, core_client.wait_loaded
 
-    def tokenizer_at(folder: Path, gguf_file: str | None) -> object:
-        events.append(f"tokenizer on {threading.current_thread().name}")
-        if fail_early:
-            raise OSError("unreadable, this once")
-        return read(folder, gguf_file)
+    def load_tokenizer(model: object) -> object:
+        events.append("tokenizer read")
+        return read(model)  # type: ignore[arg-type]
 
     def wait_loaded(channel: object) -> object:
         result = wait(channel)  # type: ignore[arg-type]
         events.append("core loaded")
         return result
 
-    monkeypatch.setattr(async_llm, "tokenizer_at", tokenizer_at)
+    monkeypatch.setattr(async_llm, "load_tokenizer", load_tokenizer)
     monkeypatch.setattr(core_client, "wait_loaded", wait_loaded)
     return events
 
@@ -246,16 +244,16 @@ def serve_and_stop(*engines: AsyncLLM) -> None:
     asyncio.run(run())
 
 
-def test_the_frontend_reads_its_tokenizer_while_the_core_loads(
+def test_the_frontend_takes_the_tokenizer_the_core_read(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """From the path it was given, on a thread of its own, before the core's report (the
-    core takes seconds to import torch), for a frontend that starts its core and for the
-    several frontends of one core; the tokenizer is the model's."""
+    """From the core's report, for a frontend that starts its core and for each of the
+    several frontends of one core: none reads the tokenizer itself (AutoTokenizer would
+    import torch), and it is the model's."""
     events = watch_the_load(monkeypatch)
     engine = make_engine(model_dir, in_process=False)
     try:
-        assert events == ["tokenizer on pagedserve-tokenizer", "core loaded"]
+        assert events == ["core loaded"]
         text = "the lazy dog"
         assert engine.tokenizer.encode(text) == load_tokenizer(engine.config.model).encode(text)
     finally:
@@ -264,8 +262,8 @@ def test_the_frontend_reads_its_tokenizer_while_the_core_loads(
     args = EngineArgs(model=str(model_dir), **ARGS)  # type: ignore[arg-type]
     start = start_core(args, None, None, num_frontends=2)
     try:
-        frontends = [AsyncLLM.attach(c, start.proc.pid, args.model) for c in start.channels]
-        assert events[0] == "tokenizer on pagedserve-tokenizer" and "core loaded" in events
+        frontends = [AsyncLLM.attach(c, start.proc.pid) for c in start.channels]
+        assert events == ["core loaded", "core loaded"]
         serve_and_stop(*frontends)
         assert start.proc.wait(timeout=30) == 0
     finally:
@@ -274,16 +272,26 @@ def test_the_frontend_reads_its_tokenizer_while_the_core_loads(
         shutil.rmtree(start.directory, ignore_errors=True)
 
 
-def test_a_tokenizer_that_failed_beside_the_core_is_read_again_after_it(
-    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+def test_a_tokenizer_that_does_not_pickle_is_read_by_the_frontend(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    events = watch_the_load(monkeypatch, fail_early=True)
-    engine = make_engine(model_dir, in_process=False)
-    try:
-        assert events == ["tokenizer on pagedserve-tokenizer", "core loaded"]
-        assert engine.tokenizer.encode("the lazy dog")  # read again, on the loading thread
-    finally:
-        serve_and_stop(engine)
+    """The core reports its config alone, and says why; the frontend then reads the
+    model's tokenizer itself."""
+    engine = make_engine(model_dir, in_process=True)
+    tokenizer = load_tokenizer(engine.config.model)
+    tokenizer.hook = lambda text: text  # as a tokenizer with Python code in it would hold
+    read, write = os.pipe()
+    with caplog.at_level(logging.WARNING, logger="engine.core_proc"):
+        _report([CoreChannel("ipc://in", "ipc://out", write)], CoreReady(engine.config, tokenizer))
+    assert "the tokenizer does not pickle" in caplog.text
+    report = wait_loaded(CoreChannel("ipc://in", "ipc://out", read))
+    assert isinstance(report, CoreReady) and report.tokenizer is None
+    assert report.config == engine.config
+    events = watch_the_load(monkeypatch)
+    frontend = AsyncLLM._over(CoreProcess(report, CoreChannel("ipc://in", "ipc://out", -1), 0))
+    assert events == ["tokenizer read"]
+    assert frontend.tokenizer.encode("the lazy dog") == tokenizer.encode("the lazy dog")
+    serve_and_stop(engine)
 
 
 def test_a_missing_model_fails_with_the_cores_error_not_the_tokenizers(tmp_path: Path) -> None:

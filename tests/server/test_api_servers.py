@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.mmap_dict import MmapedDict
 
 from tests.server.live import ServerProcess, free_port, metric
-from tests.server.test_engine_process import alive, core_pid, wait_gone
+from tests.server.test_engine_process import alive, core_pid, maps_torch, wait_gone
 from tests.server.test_lifecycle import start_streams
 from tests.server.test_tensor_parallel import descendants
 
@@ -86,6 +86,7 @@ def test_two_frontends_serve_one_port_and_metrics_sum_them(tiny_model_dir: Path)
         assert metric(server.url, "vllm:prefix_cache_queries_total") == max(queries)
         assert metric(server.url, "vllm:num_requests_running") == 0
         assert metric(server.url, "vllm:kv_cache_usage_perc") == 0
+        assert not any(maps_torch(pid) for pid in frontends)  # tokenizers from the core
 
 
 def test_sigterm_drains_every_frontend_then_ends_all(tiny_model_dir: Path, tmp_path: Path) -> None:

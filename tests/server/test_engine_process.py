@@ -58,10 +58,16 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def maps_torch(pid: int) -> bool:
+    """Whether process `pid` has loaded torch's library."""
+    return "/libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
 def test_serves_the_sdk_as_the_in_process_engine_does(
     tiny_model_dir: Path, tiny_server: LiveServer
 ) -> None:
-    """Same greedy text as the in-process server on the same model; counters that add up."""
+    """Same greedy text as the in-process server on the same model; counters that add up;
+    a frontend that never loads torch (its tokenizer came from the core)."""
     with ServerProcess([str(tiny_model_dir), *TINY_ARGS, "--served-model-name", "tiny"]) as server:
         assert alive(core_pid(server))
         served = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
@@ -97,6 +103,8 @@ def test_serves_the_sdk_as_the_in_process_engine_does(
         core_cpu = cpu_seconds(core_pid(server))
         engine_cpu = metric(server.url, "pagedserve:engine_cpu_seconds_total")
         assert 0.8 * core_cpu - 0.1 <= engine_cpu <= core_cpu + 0.05, (engine_cpu, core_cpu)
+        assert server.proc is not None and maps_torch(core_pid(server))
+        assert not maps_torch(server.proc.pid)
 
 
 def test_an_idle_core_sleeps(tiny_model_dir: Path) -> None:
