@@ -1,6 +1,7 @@
 """Seconds from `pagedserve serve` to its /ready answering 200: what a pod's readiness
-waits for. Each round starts the server once per checkout given (alternating, so a VM's
-swings fall on both alike) and stops it.
+waits for, and the resident memory of the serving process (the frontend; the core and any
+other frontends are its children) at that moment. Each round starts the server once per
+checkout given (alternating, so a VM's swings fall on both alike) and stops it.
 
     python benchmarks/startup.py --rounds 5 -- --dtype float32
     python benchmarks/startup.py --checkouts . ../before -- MODEL_DIR --engine-in-process
@@ -25,7 +26,16 @@ import httpx
 from engine.worker.tensor_parallel import free_port
 
 
-def time_to_ready(checkout: Path, serve_args: list[str], timeout: float) -> float:
+def resident_mib(pid: int) -> float:
+    """Process `pid`'s resident memory (VmRSS), MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"process {pid} has no VmRSS")
+
+
+def time_to_ready(checkout: Path, serve_args: list[str], timeout: float) -> tuple[float, float]:
+    """Seconds to /ready 200, and the frontend's resident MiB then."""
     port = free_port()
     # What the `pagedserve` command runs: server.launch where the checkout has it (it
     # starts the core before reading the flags), server.cli before it.
@@ -45,7 +55,7 @@ def time_to_ready(checkout: Path, serve_args: list[str], timeout: float) -> floa
             except httpx.TransportError:  # not listening yet
                 ready = False
             if ready:
-                return time.monotonic() - start
+                return time.monotonic() - start, resident_mib(proc.pid)
             time.sleep(0.02)
         raise TimeoutError(f"not ready after {timeout:.0f}s: {' '.join(cmd)}")
     finally:
@@ -62,15 +72,21 @@ def main() -> None:
     args = parser.parse_args()
     checkouts = [c.resolve() for c in args.checkouts]
     times: dict[Path, list[float]] = {c: [] for c in checkouts}
+    memory: dict[Path, list[float]] = {c: [] for c in checkouts}
     for round_ in range(args.rounds):
         for checkout in checkouts:
-            seconds = time_to_ready(checkout, args.serve_args, args.timeout)
+            seconds, mib = time_to_ready(checkout, args.serve_args, args.timeout)
             times[checkout].append(seconds)
-            print(f"round {round_ + 1} {checkout}: {seconds:.2f} s", flush=True)
+            memory[checkout].append(mib)
+            print(
+                f"round {round_ + 1} {checkout}: {seconds:.2f} s, frontend {mib:.0f} MiB",
+                flush=True,
+            )
     for checkout, ts in times.items():
         print(
             f"{checkout}: median {statistics.median(ts):.2f} s, min {min(ts):.2f}, "
-            f"max {max(ts):.2f} over {len(ts)}"
+            f"max {max(ts):.2f} over {len(ts)}; frontend median "
+            f"{statistics.median(memory[checkout]):.0f} MiB"
         )
 
 
