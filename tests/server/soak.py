@@ -6,7 +6,9 @@ them hangs up part-way (a stream after a few chunks, a plain request on a short 
 and a few send invalid bodies. The server runs the tiny model as a subprocess with the
 block pool's invariants checked after every step (a violation kills the engine, which
 then answers 5xx). At the end: no 5xx, no leaked block, and the server's resident memory
-in the last third of the run within 5% of the first third.
+in the last third of the run within 5% of the middle third (the first holds the warm-up:
+the frontend, which loads no torch, grows from about 98 to 117 MiB in its first seconds
+of load and by 1.5% in the next 75 s).
 
     python -m tests.server.soak --duration 600      # `make soak`
 """
@@ -199,7 +201,7 @@ def run_soak(
             gauges = scrape(server.url)
         healthy = httpx.get(f"{server.url}/health").status_code == 200
     third = max(1, len(samples) // 3)
-    first, last = samples[:third], samples[-third:]
+    middle, last = samples[third : 2 * third] or samples[:third], samples[-third:]
     return {
         "duration_s": round(elapsed, 1),
         "concurrency": CONCURRENCY,
@@ -210,9 +212,9 @@ def run_soak(
         "server_errors": tally.server_errors,
         "gauges_after": gauges,
         "healthy_after": healthy,
-        "rss_first_third_mib": round(sum(first) / len(first) / 2**20, 1),
+        "rss_middle_third_mib": round(sum(middle) / len(middle) / 2**20, 1),
         "rss_last_third_mib": round(sum(last) / len(last) / 2**20, 1),
-        "rss_growth": round(sum(last) / len(last) / (sum(first) / len(first)) - 1, 4),
+        "rss_growth": round(sum(last) / len(last) / (sum(middle) / len(middle)) - 1, 4),
     }
 
 
