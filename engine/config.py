@@ -677,7 +677,17 @@ def _max_model_len(requested: int | None, arch: ModelArch) -> int:
 
 
 def load_tokenizer(model: ModelConfig) -> Any:
-    """The model's Hugging Face tokenizer, from its directory (or GGUF file)."""
+    """The model's Hugging Face tokenizer, from its directory (or GGUF file). From a GGUF
+    file, with the chat template the file holds (`tokenizer.chat_template`, which
+    llama.cpp's converter writes and llama-server applies): transformers' GGUF tokenizer
+    leaves it out."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model.path, gguf_file=model.gguf_file)
+    tokenizer = AutoTokenizer.from_pretrained(model.path, gguf_file=model.gguf_file)
+    if model.gguf_file is not None and not getattr(tokenizer, "chat_template", None):
+        from engine.models.gguf_file import GGUFFile
+
+        template = GGUFFile(model.path / model.gguf_file).metadata.get("tokenizer.chat_template")
+        if isinstance(template, str) and template.strip():
+            tokenizer.chat_template = template
+    return tokenizer

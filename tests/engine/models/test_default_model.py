@@ -70,3 +70,25 @@ def test_concurrent_preparations_take_turns(
         (target / default_model.GGUF_FILENAME).write_bytes(b"")
     waiter.join(timeout=10)
     assert results == [target] and conversions == []
+
+
+def test_the_gguf_file_alone_brings_its_chat_template(default_model_dir: Path) -> None:
+    """Served as a bare .gguf file, the tokenizer carries the chat template the file holds
+    (transformers' GGUF tokenizer leaves it out), and renders what the directory's does."""
+    from engine.config import EngineArgs, load_tokenizer, resolve_model_config
+    from engine.models.default_model import GGUF_FILENAME
+
+    bare = resolve_model_config(EngineArgs(model=str(default_model_dir / GGUF_FILENAME)))
+    folder = resolve_model_config(EngineArgs(model=str(default_model_dir)))
+    assert bare.gguf_file == GGUF_FILENAME and folder.gguf_file is None
+    from_file, from_folder = load_tokenizer(bare), load_tokenizer(folder)
+    assert from_file.chat_template == (default_model_dir / "chat_template.jinja").read_text()
+    messages = [
+        {"role": "system", "content": "Answer in one word."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
+    rendered = [
+        t.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+        for t in (from_file, from_folder)
+    ]
+    assert rendered[0] == rendered[1]
