@@ -278,20 +278,24 @@ def test_a_tokenizer_that_does_not_pickle_is_read_by_the_frontend(
     """The core reports its config alone, and says why; the frontend then reads the
     model's tokenizer itself."""
     engine = make_engine(model_dir, in_process=True)
-    tokenizer = load_tokenizer(engine.config.model)
-    tokenizer.hook = lambda text: text  # as a tokenizer with Python code in it would hold
-    read, write = os.pipe()
-    with caplog.at_level(logging.WARNING, logger="engine.core_proc"):
-        _report([CoreChannel("ipc://in", "ipc://out", write)], CoreReady(engine.config, tokenizer))
-    assert "the tokenizer does not pickle" in caplog.text
-    report = wait_loaded(CoreChannel("ipc://in", "ipc://out", read))
-    assert isinstance(report, CoreReady) and report.tokenizer is None
-    assert report.config == engine.config
-    events = watch_the_load(monkeypatch)
-    frontend = AsyncLLM._over(CoreProcess(report, CoreChannel("ipc://in", "ipc://out", -1), 0))
-    assert events == ["tokenizer read"]
-    assert frontend.tokenizer.encode("the lazy dog") == tokenizer.encode("the lazy dog")
-    serve_and_stop(engine)
+    try:
+        tokenizer = load_tokenizer(engine.config.model)
+        tokenizer.hook = lambda text: text  # as a tokenizer with Python code in it would hold
+        read, write = os.pipe()
+        ready = CoreReady(engine.config, tokenizer)
+        with caplog.at_level(logging.WARNING, logger="engine.core_proc"):
+            _report([CoreChannel("ipc://in", "ipc://out", write)], ready)
+        assert "the tokenizer does not pickle" in caplog.text
+        report = wait_loaded(CoreChannel("ipc://in", "ipc://out", read))
+        assert isinstance(report, CoreReady) and report.tokenizer is None
+        assert report.config == engine.config
+        events = watch_the_load(monkeypatch)
+        channel = CoreChannel("ipc://in", "ipc://out", -1)
+        frontend = AsyncLLM._over(CoreProcess(report, channel, 0))
+        assert events == ["tokenizer read"]
+        assert frontend.tokenizer.encode("the lazy dog") == tokenizer.encode("the lazy dog")
+    finally:
+        serve_and_stop(engine)
 
 
 def test_a_missing_model_fails_with_the_cores_error_not_the_tokenizers(tmp_path: Path) -> None:
